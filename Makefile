@@ -1,0 +1,34 @@
+# The two commands of the README: `make test` and `make demo`.
+# Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: test demo bench build venv clean
+
+$(VENV)/.deps: requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# Keep a torch that is already there (a GPU user's own build); otherwise pin the CPU build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.deps
+
+# --no-build-isolation: build against the torch of the venv, never a freshly downloaded one.
+build: venv
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) bench/benchmark.py --sizes 1024 2048 4096 --out bench/results/demo
+
+bench: build
+	$(PY) bench/benchmark.py --sizes 1024 4096 8192 16384 65536 --out bench/results/cpu
+
+clean:
+	rm -rf build *.egg-info ms_loss_cuda/*.so $(VENV)

@@ -1,0 +1,264 @@
+"""The public API: input checks, backend choice and the one call path every backend shares."""
+import math
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import ops, reference
+
+BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+REDUCTIONS = ("mean", "sum", "none")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---- backends ---------------------------------------------------------------------------------
+def _triton_kernels():
+    """The Triton module when it provides the loss, else None."""
+    try:
+        from . import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels if hasattr(triton_kernels, "ms_loss_forward") else None
+
+
+def _unavailable_reason(backend, device):
+    """Why `backend` cannot run on tensors of `device`, or None if it can."""
+    if backend == "reference":
+        return None
+    if backend == "cpu":
+        if ops.LOAD_ERROR is not None:
+            return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
+        return None if device.type == "cpu" else f"it takes CPU tensors, got {device}"
+    if backend == "cuda":
+        if ops.LOAD_ERROR is not None:
+            return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("ms_loss_cuda::ms_loss_forward", "CUDA"):
+            return "the CUDA kernels were not built (install with a CUDA build of torch and nvcc)"
+        return None if device.type == "cuda" else f"it takes CUDA tensors, got {device}"
+    if backend == "triton":
+        if _triton_kernels() is None:
+            return "the Triton kernels are not part of this version (see issue 3)"
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
+        if device.type != "cuda" and not interpreted:
+            return f"it takes CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
+        return None
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def available_backends(device="cpu"):
+    """The backends this install can run on tensors of `device` (default CPU)."""
+    device = torch.device(device)
+    return [b for b in BACKENDS[1:] if _unavailable_reason(b, device) is None]
+
+
+_warned_fallback = False
+
+
+def _resolve_backend(backend, device):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("MS_LOSS_BACKEND", "auto") or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"MS_LOSS_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        reason = _unavailable_reason(backend, device)
+        if reason is not None:
+            raise RuntimeError(f"backend {backend!r} cannot run: {reason}")
+        return backend
+    preferred = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
+    for candidate in preferred:
+        if _unavailable_reason(candidate, device) is None:
+            return candidate
+    global _warned_fallback
+    if device.type == "cpu" and not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"ms_loss_cuda: using the dense reference backend: {_unavailable_reason('cpu', device)}")
+    return "reference"
+
+
+# ---- input checks -----------------------------------------------------------------------------
+def _check_embeddings(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _check_keys(name, t, rows, rows_name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != rows:
+        raise ValueError(f"{name} must have shape [{rows}] to match {rows_name}, got {tuple(t.shape)}")
+
+
+def _check_hyper_parameters(alpha, beta, base, epsilon, reduction):
+    for name, value, ok, rule in (
+        ("alpha", alpha, lambda v: v > 0, "> 0"),
+        ("beta", beta, lambda v: v > 0, "> 0"),
+        ("epsilon", epsilon, lambda v: v >= 0, ">= 0"),
+        ("base", base, lambda v: True, "finite"),
+    ):
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{name} must be finite and {rule}, got {value}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
+    _check_embeddings("embeddings", embeddings)
+    batch = embeddings.shape[0]
+    _check_keys("labels", labels, batch, f"embeddings {tuple(embeddings.shape)}")
+    if (ref_embeddings is None) != (ref_labels is None):
+        raise ValueError("ref_embeddings and ref_labels must be given together")
+    named = {"embeddings": embeddings, "labels": labels}
+    if ref_embeddings is not None:
+        _check_embeddings("ref_embeddings", ref_embeddings)
+        if ref_embeddings.shape[1] != embeddings.shape[1]:
+            raise ValueError(
+                f"ref_embeddings {tuple(ref_embeddings.shape)} and embeddings "
+                f"{tuple(embeddings.shape)} must have the same D"
+            )
+        _check_keys("ref_labels", ref_labels, ref_embeddings.shape[0], f"ref_embeddings {tuple(ref_embeddings.shape)}")
+        named.update(ref_embeddings=ref_embeddings, ref_labels=ref_labels)
+        if (ids is None) != (ref_ids is None):
+            raise ValueError("with a reference set, ids and ref_ids must be given together")
+    elif ref_ids is not None:
+        raise ValueError("ref_ids needs ref_embeddings (in the self case ids serve both ends)")
+    if ids is not None:
+        _check_keys("ids", ids, batch, "embeddings")
+        named["ids"] = ids
+    if ref_ids is not None:
+        _check_keys("ref_ids", ref_ids, ref_embeddings.shape[0], "ref_embeddings")
+        named["ref_ids"] = ref_ids
+    devices = {name: t.device for name, t in named.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError("all tensors must be on one device, got " + ", ".join(f"{k} on {v}" for k, v in devices.items()))
+
+
+# ---- the call path ----------------------------------------------------------------------------
+def _nan_if_nonfinite(loss, *inputs):
+    """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number)."""
+    finite = torch.isfinite(inputs[0]).all()
+    for t in inputs[1:]:
+        if t is not None:
+            finite = finite & torch.isfinite(t).all()
+    return torch.where(finite, loss, torch.nan)
+
+
+def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
+    """Per-anchor losses [B] from the chosen backend (x and ref already normalised)."""
+    if backend == "reference":
+        return reference.multi_similarity_loss(
+            x, labels, ref, ref_labels, ids, ref_ids, reduction="none", **options
+        )
+    hyper_parameters = [options[name] for name in ops.HYPER_PARAMETERS]
+    if backend == "triton":
+        return _triton_kernels().ms_loss_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)
+    return ops.forward_op(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+
+
+def multi_similarity_loss(
+    embeddings,
+    labels,
+    *,
+    alpha=2.0,
+    beta=50.0,
+    base=0.5,
+    epsilon=0.1,
+    mining=True,
+    normalize=True,
+    reduction="mean",
+    ref_embeddings=None,
+    ref_labels=None,
+    ids=None,
+    ref_ids=None,
+    skip_incomplete_anchors=False,
+    backend="auto",
+):
+    """Multi-Similarity loss (Wang et al., CVPR 2019) of `embeddings` [B, D] with `labels` [B].
+
+    Pairs are taken against `ref_embeddings`/`ref_labels` [R, D]/[R] when given (a memory bank,
+    gathered batches), else against the batch itself without the diagonal. `ids`/`ref_ids` are
+    sample identities: pairs of equal identity are skipped. `mining` applies the MS miner
+    (epsilon); `normalize` L2-normalises rows first (cosine similarity). `reduction` is "mean"
+    (over all B anchors), "sum" or "none" ([B]). `skip_incomplete_anchors=True` zeroes anchors
+    whose mined positive or negative set is empty, as the authors' code does.
+    The loss is float32 for 16-bit inputs (float64 for float64 inputs).
+    `backend`: "auto" (or $MS_LOSS_BACKEND), "reference", "cpu", "triton" or "cuda".
+    """
+    return _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, None,
+                 dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
+                      skip_incomplete_anchors=skip_incomplete_anchors),
+                 normalize, reduction, backend)
+
+
+def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, options,
+          normalize, reduction, backend):
+    _check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids)
+    options = dict(options, **{k: float(options[k]) for k in ("alpha", "beta", "base", "epsilon")})
+    _check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
+    backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device)
+    x, ref = embeddings, ref_embeddings
+    if normalize:
+        x = F.normalize(x, dim=1)
+        ref = None if ref is None else F.normalize(ref, dim=1)
+    if masks is not None:
+        losses = reference.multi_similarity_loss(x, labels, ref, reduction="none", masks=masks, **options)
+    else:
+        losses = _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options)
+    loss = reference.reduce_losses(losses, reduction)
+    return _nan_if_nonfinite(loss, embeddings, ref_embeddings)
+
+
+class MultiSimilarityLoss(torch.nn.Module):
+    """Drop-in for pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner.
+
+    `forward(embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None)` has
+    pytorch-metric-learning's signature. Without `indices_tuple` the loss mines itself
+    (`mining=True`, epsilon) on the fused backend; with `indices_tuple` (a1, p, a2, n) or
+    (anchor, positive, negative) from any miner, the loss is computed on exactly those pairs
+    by the dense reference backend. Options are those of `multi_similarity_loss`.
+    """
+
+    def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=0.1, *, mining=True, normalize=True,
+                 reduction="mean", skip_incomplete_anchors=False, backend="auto"):
+        super().__init__()
+        self.options = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
+                            skip_incomplete_anchors=skip_incomplete_anchors)
+        _check_hyper_parameters(float(alpha), float(beta), float(base), float(epsilon), reduction)
+        _resolve_backend(backend, torch.device("cpu")) if backend in ("reference", "cpu") else None
+        self.normalize, self.reduction, self.backend = normalize, reduction, backend
+
+    def extra_repr(self):
+        return ", ".join(f"{k}={v}" for k, v in self.options.items()) + f", backend={self.backend!r}"
+
+    def forward(self, embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None):
+        masks = None
+        if indices_tuple is not None:
+            masks = _pair_masks_from_indices(indices_tuple, embeddings, ref_emb)
+        return _loss(embeddings, labels, ref_emb, ref_labels, None, None, masks, self.options,
+                     self.normalize, self.reduction, self.backend)
+
+
+def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):
+    """Boolean [B, R] (positive, negative) masks from (a1, p, a2, n) or (anchor, positive, negative)."""
+    if len(indices_tuple) == 3:
+        anchors, positives, negatives = indices_tuple
+        indices_tuple = (anchors, positives, anchors, negatives)
+    if len(indices_tuple) != 4:
+        raise ValueError(f"indices_tuple must hold 3 or 4 index tensors, got {len(indices_tuple)}")
+    rows = embeddings.shape[0]
+    cols = rows if ref_emb is None else ref_emb.shape[0]
+    masks = []
+    for anchors, others in (indices_tuple[:2], indices_tuple[2:]):
+        mask = torch.zeros(rows, cols, dtype=torch.bool, device=embeddings.device)
+        mask[anchors.long(), others.long()] = True
+        masks.append(mask)
+    return tuple(masks)

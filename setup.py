@@ -1,0 +1,58 @@
+"""Builds ms_loss_cuda._C: the operator schemas, the fused CPU kernel and, where torch has CUDA
+and nvcc is found, the CUDA kernels (csrc/cuda/*.cu).
+
+Environment: FORCE_CUDA=1 builds the CUDA kernels even without a visible GPU (nvcc needed),
+FORCE_ONLY_CPU=1 never builds them, TORCH_CUDA_ARCH_LIST picks the GPU targets (default 8.0;9.0).
+"""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+here = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+cxx_flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def want_cuda():
+    if os.environ.get("FORCE_ONLY_CPU") == "1":
+        return False
+    has_toolkit = cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
+    if os.environ.get("FORCE_CUDA") == "1":
+        return has_toolkit
+    import torch
+
+    return has_toolkit and torch.version.cuda is not None
+
+
+if want_cuda():
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    print(f"ms_loss_cuda: building CPU + CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}")
+    extension = cpp_extension.CUDAExtension(
+        "ms_loss_cuda._C",
+        sources + cuda_sources,
+        include_dirs=[os.path.join(here, "csrc")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+    )
+else:
+    print("ms_loss_cuda: building the CPU kernels only (no CUDA torch/nvcc, or FORCE_ONLY_CPU=1)")
+    extension = cpp_extension.CppExtension(
+        "ms_loss_cuda._C",
+        sources,
+        include_dirs=[os.path.join(here, "csrc")],
+        extra_compile_args=cxx_flags,
+    )
+
+setup(
+    name="ms-loss-cuda",
+    version="0.1.0",
+    description="Fused Multi-Similarity loss for PyTorch: reference, CPU, Triton and CUDA backends",
+    packages=["ms_loss_cuda", "ms_loss_cuda.triton_kernels"],
+    package_dir={"ms_loss_cuda.triton_kernels": "triton_kernels"},
+    ext_modules=[extension],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+)

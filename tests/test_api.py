@@ -1,0 +1,133 @@
+"""Public API: input checks, degenerate batches, non-finite inputs, extreme hyper-parameters, backends."""
+import math
+
+import pytest
+import torch
+
+import ms_loss_cuda
+from ms_loss_cuda import MultiSimilarityLoss, available_backends, multi_similarity_loss
+
+from conftest import make_batch
+
+BACKENDS = [b for b in ("reference", "cpu") if b in available_backends()]
+
+
+def call(x=None, labels=None, **kwargs):
+    if x is None:
+        x, labels = make_batch(8, 4, 3)
+    return multi_similarity_loss(x, labels, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(x=torch.randn(8), labels=torch.zeros(8, dtype=torch.long)), r"embeddings must be 2-D.*\(8,\)"),
+    (dict(x=torch.randn(8, 4), labels=torch.zeros(8, 1, dtype=torch.long)), r"labels must have shape \[8\].*\(8, 1\)"),
+    (dict(x=torch.randn(8, 4), labels=torch.zeros(7, dtype=torch.long)), r"labels must have shape \[8\].*\(7,\)"),
+    (dict(ref_embeddings=torch.randn(5, 4)), "ref_embeddings and ref_labels must be given together"),
+    (dict(ref_embeddings=torch.randn(5, 3), ref_labels=torch.zeros(5, dtype=torch.long)), r"\(5, 3\).*\(8, 4\).*same D"),
+    (dict(ref_embeddings=torch.randn(5, 4), ref_labels=torch.zeros(4, dtype=torch.long)), r"ref_labels must have shape \[5\]"),
+    (dict(ids=torch.arange(7)), r"ids must have shape \[8\]"),
+    (dict(ref_ids=torch.arange(8)), "ref_ids needs ref_embeddings"),
+    (dict(ref_embeddings=torch.randn(5, 4), ref_labels=torch.zeros(5, dtype=torch.long), ids=torch.arange(8)),
+     "ids and ref_ids must be given together"),
+    (dict(alpha=0.0), "alpha"), (dict(alpha=-1.0), "alpha"), (dict(beta=0.0), "beta"), (dict(epsilon=-0.1), "epsilon"),
+    (dict(alpha=math.nan), "alpha"), (dict(base=math.inf), "base"),
+    (dict(reduction="max"), "reduction"), (dict(backend="gpu"), "backend"),
+])
+def test_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        call(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(x=torch.randint(0, 3, (8, 4)), labels=torch.zeros(8, dtype=torch.long)),
+    dict(x=torch.randn(8, 4), labels=torch.zeros(8)),
+    dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.bool)),
+    dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.long), ids=torch.zeros(8)),
+])
+def test_type_errors(kwargs):
+    with pytest.raises(TypeError):
+        call(**kwargs)
+
+
+def test_device_mismatch_names_devices():
+    x, labels = make_batch(8, 4, 3)
+    with pytest.raises(ValueError, match="embeddings on cpu.*labels on meta"):
+        multi_similarity_loss(x, labels.to("meta"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("labels", [torch.zeros(0, dtype=torch.long), torch.tensor([3]),
+                                    torch.full((6,), 2), torch.arange(6)],
+                         ids=["B=0", "B=1", "one_class", "all_distinct"])
+def test_degenerate_batches_give_zero_loss_and_zero_grads(backend, reduction, labels):
+    x = torch.randn(len(labels), 5, requires_grad=True)
+    loss = multi_similarity_loss(x, labels, backend=backend, reduction=reduction)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    assert torch.equal(grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", ["embeddings", "ref_embeddings"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_non_finite_inputs_give_nan(backend, bad, where, normalize):
+    x, labels = make_batch(12, 4, 3, dtype=torch.float32)
+    ref, ref_labels = make_batch(9, 4, 3, dtype=torch.float32, seed=1)
+    (x if where == "embeddings" else ref)[3, 1] = bad
+    loss = multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend=backend,
+                                 normalize=normalize)
+    assert torch.isnan(loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hyper", [dict(beta=1000.0), dict(alpha=0.01), dict(base=-1.0),
+                                   dict(alpha=0.01, beta=1000.0, base=-1.0), dict(alpha=100.0, base=2.0)])
+@pytest.mark.parametrize("mining", [True, False])
+def test_extreme_hyper_parameters_are_finite_and_exact(backend, hyper, mining):
+    x, labels = make_batch(50, 8, 5, dtype=torch.float32)
+    x.requires_grad_()
+    loss = multi_similarity_loss(x, labels, backend=backend, mining=mining, **hyper)
+    (grad,) = torch.autograd.grad(loss, x)
+    x64 = x.detach().double().requires_grad_()
+    expected = multi_similarity_loss(x64, labels, backend="reference", mining=mining, **hyper)
+    (grad64,) = torch.autograd.grad(expected, x64)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and expected > 0
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=0)
+    torch.testing.assert_close(grad.double(), grad64, rtol=1e-4, atol=1e-4 * grad64.abs().max().item())
+
+
+def test_available_backends_and_explicit_requests():
+    assert "reference" in available_backends()
+    x, labels = make_batch(8, 4, 3)
+    for backend in ("cuda", "triton"):
+        if backend not in available_backends():
+            with pytest.raises(RuntimeError, match=f"backend '{backend}' cannot run: .+"):
+                multi_similarity_loss(x, labels, backend=backend)
+
+
+def test_environment_overrides_auto(monkeypatch):
+    x, labels = make_batch(8, 4, 3)
+    monkeypatch.setenv("MS_LOSS_BACKEND", "no-such-backend")
+    with pytest.raises(ValueError, match="MS_LOSS_BACKEND"):
+        multi_similarity_loss(x, labels)
+    monkeypatch.setenv("MS_LOSS_BACKEND", "reference")
+    calls = []
+    monkeypatch.setattr(ms_loss_cuda.reference, "multi_similarity_loss",
+                        lambda *a, **k: calls.append(1) or torch.zeros(8, dtype=torch.float64))
+    multi_similarity_loss(x, labels)
+    assert calls == [1]
+
+
+def test_module_matches_function_and_has_pml_signature():
+    import inspect
+
+    params = list(inspect.signature(MultiSimilarityLoss.forward).parameters)
+    assert params == ["self", "embeddings", "labels", "indices_tuple", "ref_emb", "ref_labels"]
+    x, labels = make_batch(30, 6, 4)
+    module = MultiSimilarityLoss(alpha=3.0, beta=30.0, base=0.4, epsilon=0.05, reduction="sum")
+    expected = multi_similarity_loss(x, labels, alpha=3.0, beta=30.0, base=0.4, epsilon=0.05, reduction="sum")
+    torch.testing.assert_close(module(x, labels), expected)
+    with pytest.raises(ValueError, match="alpha"):
+        MultiSimilarityLoss(alpha=-1)
