@@ -18,8 +18,12 @@ $(VENV)/.deps: requirements-dev.txt
 venv: $(VENV)/.deps
 
 # --no-build-isolation: build against the torch of the venv, never a freshly downloaded one.
-build: venv
+# Editable install: ms_loss_cuda/_C*.so is built in place; rebuilt when a source changes.
+$(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(VENV)/.built
 
 test: build
 	$(PY) -m pytest -q tests

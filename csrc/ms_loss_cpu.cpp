@@ -128,6 +128,29 @@ MS_CPU_CLONES void backward_row(T* s, int64_t label, int64_t id, RefKeys ref, An
   }
 }
 
+// out[r] = sum_j h[r, j] * dense[j] over the non-zeros of each row: rows in parallel, j in order
+// (deterministic). Used below kSparseDensityInverse: a block with fewer than 1 in 16 non-zeros.
+constexpr int64_t kSparseDensityInverse = 16;
+
+template <typename T>
+MS_CPU_CLONES void sparse_row_times_dense(const T* h, int64_t cols, const T* dense, int64_t dim, T* out) {
+  for (int64_t k = 0; k < dim; ++k) out[k] = 0;
+  for (int64_t j = 0; j < cols; ++j) {
+    if (h[j] == T(0)) continue;
+    const T w = h[j];
+    const T* d = dense + j * dim;
+#pragma omp simd
+    for (int64_t k = 0; k < dim; ++k) out[k] += w * d[k];
+  }
+}
+
+template <typename T>
+void sparse_rows_times_dense(const T* h, int64_t rows, int64_t cols, const T* dense, int64_t dim, T* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) sparse_row_times_dense(h + r * cols, cols, dense, dim, out + r * dim);
+  });
+}
+
 struct Inputs {
   at::Tensor x, labels, ids, ref, ref_labels, ref_ids;  // compute dtype, contiguous, int64 keys
   bool self_case;
@@ -269,9 +292,15 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
               scale_ptr, p);
         }
       });
-      // s now holds dL/dS for the chunk's rows (G_I, or (G + G^T)_I in the self case).
+      // s now holds dL/dS for the chunk's rows (G_I, or (G + G^T)_I in the self case). Mining
+      // keeps few pairs: a sparse block costs nnz * D instead of a GEMM.
       at::Tensor grad_x_rows = grad_x.narrow(0, i0, rows);
-      at::mm_out(grad_x_rows, s, in.ref);
+      if (at::count_nonzero(s).item<int64_t>() * kSparseDensityInverse < s.numel()) {
+        sparse_rows_times_dense(s_ptr, rows, keys.size, in.ref.data_ptr<scalar_t>(), in.x.size(1),
+                                grad_x_rows.data_ptr<scalar_t>());
+      } else {
+        at::mm_out(grad_x_rows, s, in.ref);
+      }
       if (!in.self_case) grad_ref.addmm_(s.t(), in.x.narrow(0, i0, rows));
     });
   });

@@ -186,3 +186,25 @@ def test_torch_compile_of_public_function():
     (grad_eager,) = torch.autograd.grad(eager, x_eager)
     torch.testing.assert_close(loss, eager)
     torch.testing.assert_close(grad, grad_eager)
+
+
+@pytest.mark.parametrize("case", ["self", "ref"])
+def test_sparse_backward_path(case):
+    # Well separated classes of 4: mining keeps far fewer than 1 pair in 16, so the backward takes
+    # the sparse product (the dense GEMM path is covered by mining=False above).
+    x, labels = make_batch(1031, 64, 258, spread=0.6, seed=13)
+    kwargs = dict(embeddings=x, labels=labels)
+    if case == "ref":
+        noise = torch.randn(500, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        kwargs.update(ref_embeddings=x[:500] + 0.6 * noise, ref_labels=labels[:500])
+    xn = F.normalize(x, dim=1)
+    rn = xn if case == "self" else F.normalize(kwargs["ref_embeddings"], dim=1)
+    s = xn @ rn.T
+    pos, neg = ms_loss_cuda.reference.pair_masks(labels, kwargs.get("ref_labels"))
+    minpos = torch.where(pos, s, torch.inf).amin(1, keepdim=True)
+    maxneg = torch.where(neg, s, -torch.inf).amax(1, keepdim=True)
+    kept = (pos & (s - 0.1 < maxneg)) | (neg & (s + 0.1 > minpos))
+    assert 0 < kept.sum() * 2 < s.numel() / 16  # G + G^T has at most twice as many non-zeros
+    check_against_reference(kwargs, torch.float64, "none")
+    check_against_reference({k: (v.float() if v.is_floating_point() else v) for k, v in kwargs.items()},
+                            torch.float32, "mean")
