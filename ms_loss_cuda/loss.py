@@ -23,17 +23,21 @@ def _triton_kernels():
     return triton_kernels if hasattr(triton_kernels, "ms_loss_forward") else None
 
 
+def _check_backend_name(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def _unavailable_reason(backend, device):
     """Why `backend` cannot run on tensors of `device`, or None if it can."""
+    _check_backend_name(backend)
     if backend == "reference":
         return None
+    if backend in ("cpu", "cuda") and ops.LOAD_ERROR is not None:
+        return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
     if backend == "cpu":
-        if ops.LOAD_ERROR is not None:
-            return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
         return None if device.type == "cpu" else f"it takes CPU tensors, got {device}"
     if backend == "cuda":
-        if ops.LOAD_ERROR is not None:
-            return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
         if not torch._C._dispatch_has_kernel_for_dispatch_key("ms_loss_cuda::ms_loss_forward", "CUDA"):
             return "the CUDA kernels were not built (install with a CUDA build of torch and nvcc)"
         return None if device.type == "cuda" else f"it takes CUDA tensors, got {device}"
@@ -43,8 +47,7 @@ def _unavailable_reason(backend, device):
         interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
         if device.type != "cuda" and not interpreted:
             return f"it takes CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
-        return None
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return None
 
 
 def available_backends(device="cpu"):
@@ -57,8 +60,7 @@ _warned_fallback = False
 
 
 def _resolve_backend(backend, device):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend_name(backend)
     if backend == "auto":
         backend = os.environ.get("MS_LOSS_BACKEND", "auto") or "auto"
         if backend not in BACKENDS:
@@ -233,7 +235,7 @@ class MultiSimilarityLoss(torch.nn.Module):
         self.options = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
                             skip_incomplete_anchors=skip_incomplete_anchors)
         _check_hyper_parameters(float(alpha), float(beta), float(base), float(epsilon), reduction)
-        _resolve_backend(backend, torch.device("cpu")) if backend in ("reference", "cpu") else None
+        _check_backend_name(backend)
         self.normalize, self.reduction, self.backend = normalize, reduction, backend
 
     def extra_repr(self):
