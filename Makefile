@@ -1,4 +1,4 @@
-# The two commands of the README: `make test` and `make demo`.
+# The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark).
 # Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -7,10 +7,12 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: test demo bench build venv clean
 
+# A torch that $(PYTHON) already has (a GPU user's own build) is reused through the system
+# site-packages; otherwise the venv gets the pinned CPU build.
 $(VENV)/.deps: requirements-dev.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || { if $(PYTHON) -c "import torch" 2>/dev/null; \
+	  then $(PYTHON) -m venv --system-site-packages $(VENV); else $(PYTHON) -m venv $(VENV); fi; }
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	# Keep a torch that is already there (a GPU user's own build); otherwise pin the CPU build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
