@@ -27,7 +27,6 @@ constexpr int64_t kChunkBytes = int64_t(64) << 20;
 #else
 #define MS_CPU_CLONES
 #endif
-#define MS_HD_CPU_INLINE inline __attribute__((always_inline))
 
 // The reference set of one call: its labels and identities (the self case uses row indices as
 // identities, a reference set without identities gets identities that match nothing in x).
@@ -44,6 +43,7 @@ struct RefKeys {
 // min/max reductions miscompile in GCC 12 target clones) and give the same bits on every ISA.
 constexpr int64_t kLanes = 16;
 
+// Forced inlining: a call left inside a row loop (helpers, the lambdas below) keeps it scalar.
 #if defined(__GNUC__)
 #define MS_INLINE __attribute__((always_inline))
 #else
@@ -52,7 +52,7 @@ constexpr int64_t kLanes = 16;
 
 // Calls step(j, lane) for j in [0, n), lane = j % kLanes, as a vectorisable inner loop over lanes.
 template <typename Step>
-MS_HD_CPU_INLINE void for_each_lane(int64_t n, Step&& step) {
+MS_INLINE inline void for_each_lane(int64_t n, Step&& step) {
   const int64_t full = n - n % kLanes;
   for (int64_t j = 0; j < full; j += kLanes)
     for (int64_t lane = 0; lane < kLanes; ++lane) step(j + lane, lane);
@@ -60,7 +60,7 @@ MS_HD_CPU_INLINE void for_each_lane(int64_t n, Step&& step) {
 }
 
 template <typename T, typename Combine>
-MS_HD_CPU_INLINE T combine_lanes(const T* lanes, Combine combine) {
+MS_INLINE inline T combine_lanes(const T* lanes, Combine combine) {
   T total = lanes[0];
   for (int64_t lane = 1; lane < kLanes; ++lane) total = combine(total, lanes[lane]);
   return total;
