@@ -118,7 +118,7 @@ def predicted_skip(previous, batch, args):
     need_mib = previous["peak_extra_mib"] * grow
     if need_mib > 0.8 * available_mib():
         return f"out of memory (needs ~{need_mib / 1024:.0f} GiB)"
-    if previous["seconds"] * grow * 2 > args.max_seconds * 4:
+    if previous["seconds"] * grow > 2 * args.max_seconds:
         return f"skipped (~{previous['seconds'] * grow:.0f} s per step)"
     return None
 

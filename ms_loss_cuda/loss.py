@@ -29,8 +29,7 @@ def _check_backend_name(backend):
 
 
 def _unavailable_reason(backend, device):
-    """Why `backend` cannot run on tensors of `device`, or None if it can."""
-    _check_backend_name(backend)
+    """Why `backend` (a name from BACKENDS other than "auto") cannot run on `device`, or None."""
     if backend == "reference":
         return None
     if backend in ("cpu", "cuda") and ops.LOAD_ERROR is not None:
