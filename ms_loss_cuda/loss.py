@@ -15,12 +15,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # ---- backends ---------------------------------------------------------------------------------
 def _triton_kernels():
-    """The Triton module when it provides the loss, else None."""
+    """The Triton backend module, or the ImportError that keeps it from loading."""
     try:
         from . import triton_kernels
-    except ImportError:
-        return None
-    return triton_kernels if hasattr(triton_kernels, "ms_loss_forward") else None
+    except ImportError as error:
+        return error
+    return triton_kernels
 
 
 def _check_backend_name(backend):
@@ -28,10 +28,16 @@ def _check_backend_name(backend):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def _unavailable_reason(backend, device):
-    """Why `backend` (a name from BACKENDS other than "auto") cannot run on `device`, or None."""
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
+
+
+def _unavailable_reason(backend, device, dtype=None):
+    """Why `backend` (a name from BACKENDS other than "auto") cannot run on `device` with
+    embeddings of `dtype` (None: any), or None."""
     if backend == "reference":
         return None
+    if backend in ("triton", "cuda") and dtype is not None and dtype not in GPU_DTYPES:
+        return f"it takes float32, float16 or bfloat16 embeddings, got {dtype}"
     if backend in ("cpu", "cuda") and ops.LOAD_ERROR is not None:
         return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
     if backend == "cpu":
@@ -41,11 +47,13 @@ def _unavailable_reason(backend, device):
             return "the CUDA kernels were not built (install with a CUDA build of torch and nvcc)"
         return None if device.type == "cuda" else f"it takes CUDA tensors, got {device}"
     if backend == "triton":
-        if _triton_kernels() is None:
-            return "the Triton kernels are not part of this version (see issue 3)"
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
-        if device.type != "cuda" and not interpreted:
-            return f"it takes CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
+        kernels = _triton_kernels()
+        if isinstance(kernels, ImportError):
+            return f"Triton could not be imported ({kernels}); install triton"
+        if device.type == "cpu" and not kernels.INTERPRETED:
+            return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
+        if device.type not in ("cpu", "cuda"):
+            return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
     return None
 
 
@@ -58,20 +66,20 @@ def available_backends(device="cpu"):
 _warned_fallback = False
 
 
-def _resolve_backend(backend, device):
+def _resolve_backend(backend, device, dtype):
     _check_backend_name(backend)
     if backend == "auto":
         backend = os.environ.get("MS_LOSS_BACKEND", "auto") or "auto"
         if backend not in BACKENDS:
             raise ValueError(f"MS_LOSS_BACKEND must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
-        reason = _unavailable_reason(backend, device)
+        reason = _unavailable_reason(backend, device, dtype)
         if reason is not None:
             raise RuntimeError(f"backend {backend!r} cannot run: {reason}")
         return backend
     preferred = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
     for candidate in preferred:
-        if _unavailable_reason(candidate, device) is None:
+        if _unavailable_reason(candidate, device, dtype) is None:
             return candidate
     global _warned_fallback
     if device.type == "cpu" and not _warned_fallback:
@@ -160,9 +168,8 @@ def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
             x, labels, ref, ref_labels, ids, ref_ids, reduction="none", **options
         )
     hyper_parameters = [options[name] for name in ops.HYPER_PARAMETERS]
-    if backend == "triton":
-        return _triton_kernels().ms_loss_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)
-    return ops.forward_op(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+    forward = _triton_kernels().triton_forward if backend == "triton" else ops.forward_op
+    return forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
 
 
 def multi_similarity_loss(
@@ -205,7 +212,7 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     _check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids)
     options = dict(options, **{k: float(options[k]) for k in ("alpha", "beta", "base", "epsilon")})
     _check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
-    backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device)
+    backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device, embeddings.dtype)
     x, ref = embeddings, ref_embeddings
     if normalize:
         x = F.normalize(x, dim=1)

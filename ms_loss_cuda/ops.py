@@ -1,7 +1,9 @@
-"""The compiled operators (torch.ops.ms_loss_cuda.*): their fake kernels and their autograd.
+"""The fused operators: their fake kernels and their autograd, shared by every fused backend.
 
-Loading the extension registers the schemas and the CPU (and, when built, CUDA) kernels; this
-module adds what every backend of the op shares, so `torch.compile` and `opcheck` see one op.
+Loading the C++ extension registers torch.ops.ms_loss_cuda.ms_loss_forward/_backward with their
+CPU (and, when built, CUDA) kernels; the Triton backend registers its own pair of ops with the same
+schema (ms_loss_cuda.triton_kernels). `register_fused_op` gives each pair one fake kernel and one
+autograd formula, so `torch.compile` and `opcheck` see every backend the same way.
 `LOAD_ERROR` holds why the extension could not be loaded (None when it was).
 """
 import torch
@@ -16,30 +18,32 @@ except ImportError as error:  # the package still works through the reference ba
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
 
 
-def _compute_dtype(x):
+def compute_dtype(x):
+    """The dtype of every similarity, exponent, sum and of the loss: float64 for float64, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-if LOAD_ERROR is None:
-    forward_op = torch.ops.ms_loss_cuda.ms_loss_forward.default
-    backward_op = torch.ops.ms_loss_cuda.ms_loss_backward.default
+def register_fused_op(forward_name, backward_name, backward_op):
+    """Fake kernels and autograd for a (forward, backward) pair of ops with the schemas of
+    csrc/ms_loss.cpp: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
+    stats [4, B]); backward(grad_loss, stats, x, ..., *hyper) -> (grad_x, grad_ref or empty [0])."""
 
-    @torch.library.register_fake("ms_loss_cuda::ms_loss_forward")
+    @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
         batch = x.shape[0]
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         return x.new_empty((batch,), dtype=dtype), x.new_empty((4, batch), dtype=dtype)
 
-    @torch.library.register_fake("ms_loss_cuda::ms_loss_backward")
+    @torch.library.register_fake(backward_name)
     def _backward_fake(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
         return torch.empty_like(x), (x.new_empty((0,)) if ref is None else torch.empty_like(ref))
 
-    def _setup_context(ctx, inputs, output):
+    def setup_context(ctx, inputs, output):
         x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters = inputs
         ctx.save_for_backward(x, labels, ids, ref, ref_labels, ref_ids, output[1])
         ctx.hyper_parameters = hyper_parameters
 
-    def _backward(ctx, grad_loss, grad_stats):
+    def backward(ctx, grad_loss, grad_stats):
         x, labels, ids, ref, ref_labels, ref_ids, stats = ctx.saved_tensors
         grad_x, grad_ref = backward_op(
             grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters
@@ -47,6 +51,10 @@ if LOAD_ERROR is None:
         grad_ref = None if ref is None else grad_ref
         return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
 
-    torch.library.register_autograd(
-        "ms_loss_cuda::ms_loss_forward", _backward, setup_context=_setup_context
-    )
+    torch.library.register_autograd(forward_name, backward, setup_context=setup_context)
+
+
+if LOAD_ERROR is None:
+    forward_op = torch.ops.ms_loss_cuda.ms_loss_forward.default
+    backward_op = torch.ops.ms_loss_cuda.ms_loss_backward.default
+    register_fused_op("ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward", backward_op)

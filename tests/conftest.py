@@ -1,6 +1,19 @@
-"""Shared test data: structured embeddings (classes whose mined sets are real subsets) and helpers."""
+"""Shared test data (structured embeddings: classes whose mined sets are real subsets) and the
+check every fused backend passes: loss and gradients against the float64 reference."""
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under the interpreter on CPU tensors; it must be chosen
+# before they are first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ms_loss_cuda import multi_similarity_loss  # noqa: E402
+
+# rtol of the loss and of the gradients (relative to their largest entry) per input dtype
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def make_batch(batch, dim, classes, *, dtype=torch.float64, seed=0, spread=1.0, labels_dtype=torch.int64):
@@ -17,11 +30,70 @@ def assert_close(actual, expected, rtol, min_scale=1e-2):
     """|actual - expected| <= rtol * (|expected| + max(|expected|)) elementwise: relative to the
     tensor's largest entry, so gradients whose true value is ~0 compare at the right scale
     (min_scale keeps an all-but-zero tensor from demanding exact zeros)."""
-    actual = actual.detach().double()
-    expected = expected.detach().double()
+    actual = actual.detach().cpu().double()
+    expected = expected.detach().cpu().double()
     scale = expected.abs().max().item() if expected.numel() else 0.0
     atol = rtol * max(scale, min_scale)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def build_case(case, batch, dim, dtype, seed=0, labels_dtype=torch.int64):
+    """Keyword arguments of multi_similarity_loss for one kind of call."""
+    x, labels = make_batch(batch, dim, max(2, batch // 6), dtype=dtype, seed=seed, labels_dtype=labels_dtype)
+    kwargs = dict(embeddings=x, labels=labels)
+    if case.startswith("ref"):
+        other, other_labels = make_batch(batch // 2 + 3, dim, max(2, batch // 6), dtype=dtype, seed=seed + 1,
+                                         labels_dtype=labels_dtype)
+        if case == "ref_own_copy":  # a memory bank that holds the batch itself: skipped by identity
+            other, other_labels = torch.cat([x, other]), torch.cat([labels, other_labels])
+        kwargs.update(ref_embeddings=other, ref_labels=other_labels)
+    if case in ("self_ids", "ref_ids", "ref_own_copy"):
+        kwargs["ids"] = torch.arange(batch) * 3 % (batch + 1)  # distinct, not the row index
+        if case.startswith("ref"):
+            rows = kwargs["ref_embeddings"].shape[0]
+            ref_ids = torch.arange(batch + 5, batch + 5 + rows)
+            if case == "ref_own_copy":
+                ref_ids[:batch] = kwargs["ids"]
+            kwargs["ref_ids"] = ref_ids
+    return kwargs
+
+
+def loss_and_grads(kwargs, backend, grad_output, **options):
+    inputs = [kwargs["embeddings"]] + ([kwargs["ref_embeddings"]] if "ref_embeddings" in kwargs else [])
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    call = dict(kwargs, embeddings=inputs[0], **options)
+    if len(inputs) == 2:
+        call["ref_embeddings"] = inputs[1]
+    loss = multi_similarity_loss(backend=backend, **call)
+    grads = torch.autograd.grad(loss, inputs, grad_output(loss))
+    return loss, grads
+
+
+def to(kwargs, device, float_dtype=None):
+    """kwargs with every tensor on `device` (and floating tensors in `float_dtype` when given)."""
+    return {k: v.to(device, float_dtype if float_dtype is not None and v.is_floating_point() else v.dtype)
+            for k, v in kwargs.items()}
+
+
+def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cpu", rtol=None, **options):
+    """`backend` on `kwargs` (moved to `device`) against the float64 reference on CPU: loss and
+    gradients with a grad_output other than 1, within TOLERANCE[dtype] (or rtol)."""
+    def grad_output(loss):  # not 1: a scalar 0.7, or a random vector for "none"
+        gen = torch.Generator().manual_seed(11)
+        out = torch.full(loss.shape, 0.7) if loss.dim() == 0 else torch.randn(loss.shape, generator=gen)
+        return out.to(loss.device, loss.dtype)
+
+    loss, grads = loss_and_grads(to(kwargs, device), backend, grad_output, reduction=reduction, **options)
+    ref_loss, ref_grads = loss_and_grads(to(kwargs, "cpu", torch.float64), "reference", grad_output,
+                                         reduction=reduction, **options)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for g, t in zip(grads, [kwargs["embeddings"], kwargs.get("ref_embeddings")]):
+        assert g.dtype == t.dtype and g.shape == t.shape and g.device.type == torch.device(device).type
+    rtol = TOLERANCE[dtype] if rtol is None else rtol
+    assert_close(loss, ref_loss, rtol)
+    for g, ref_g in zip(grads, ref_grads):
+        assert_close(g, ref_g, rtol)
+    return ref_loss, ref_grads
 
 
 @pytest.fixture(autouse=True)

@@ -131,3 +131,16 @@ def test_module_matches_function_and_has_pml_signature():
     torch.testing.assert_close(module(x, labels), expected)
     with pytest.raises(ValueError, match="alpha"):
         MultiSimilarityLoss(alpha=-1)
+
+
+def test_auto_on_cuda_tensors_prefers_cuda_then_triton(monkeypatch):
+    from ms_loss_cuda import loss as api
+
+    reasons = {"cuda": "not built", "triton": None, "cpu": "CPU tensors only"}
+    monkeypatch.setattr(api, "_unavailable_reason", lambda backend, device, dtype=None: reasons.get(backend))
+    cuda = torch.device("cuda")
+    assert api._resolve_backend("auto", cuda, torch.float16) == "triton"
+    reasons["cuda"] = None
+    assert api._resolve_backend("auto", cuda, torch.float16) == "cuda"
+    reasons.update(cuda="not built", triton="no triton")
+    assert api._resolve_backend("auto", cuda, torch.float16) == "reference"

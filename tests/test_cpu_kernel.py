@@ -6,66 +6,9 @@ import torch.nn.functional as F
 import ms_loss_cuda
 from ms_loss_cuda import multi_similarity_loss, ops
 
-from conftest import assert_close, make_batch
+from conftest import build_case, check_against_reference, loss_and_grads, make_batch
 
 pytestmark = pytest.mark.skipif(ops.LOAD_ERROR is not None, reason=f"extension not built: {ops.LOAD_ERROR}")
-
-# rtol of the loss and of the gradients (relative to their largest entry) per input dtype
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def build_case(case, batch, dim, dtype, seed=0, labels_dtype=torch.int64):
-    """Keyword arguments of multi_similarity_loss for one kind of call."""
-    x, labels = make_batch(batch, dim, max(2, batch // 6), dtype=dtype, seed=seed, labels_dtype=labels_dtype)
-    kwargs = dict(embeddings=x, labels=labels)
-    if case.startswith("ref"):
-        other, other_labels = make_batch(batch // 2 + 3, dim, max(2, batch // 6), dtype=dtype, seed=seed + 1,
-                                         labels_dtype=labels_dtype)
-        if case == "ref_own_copy":  # a memory bank that holds the batch itself: skipped by identity
-            other, other_labels = torch.cat([x, other]), torch.cat([labels, other_labels])
-        kwargs.update(ref_embeddings=other, ref_labels=other_labels)
-    if case in ("self_ids", "ref_ids", "ref_own_copy"):
-        kwargs["ids"] = torch.arange(batch) * 3 % (batch + 1)  # distinct, not the row index
-        if case.startswith("ref"):
-            rows = kwargs["ref_embeddings"].shape[0]
-            ref_ids = torch.arange(batch + 5, batch + 5 + rows)
-            if case == "ref_own_copy":
-                ref_ids[:batch] = kwargs["ids"]
-            kwargs["ref_ids"] = ref_ids
-    return kwargs
-
-
-def loss_and_grads(kwargs, backend, grad_output, **options):
-    inputs = [kwargs["embeddings"]] + ([kwargs["ref_embeddings"]] if "ref_embeddings" in kwargs else [])
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    call = dict(kwargs, embeddings=inputs[0], **options)
-    if len(inputs) == 2:
-        call["ref_embeddings"] = inputs[1]
-    loss = multi_similarity_loss(backend=backend, **call)
-    grads = torch.autograd.grad(loss, inputs, grad_output(loss))
-    return loss, grads
-
-
-def as_float64(kwargs):
-    return {k: (v.double() if v.is_floating_point() else v) for k, v in kwargs.items()}
-
-
-def check_against_reference(kwargs, dtype, reduction="mean", **options):
-    def grad_output(loss):  # not 1: a scalar 0.7, or a random vector for "none"
-        gen = torch.Generator().manual_seed(11)
-        return torch.full_like(loss, 0.7) if loss.dim() == 0 else torch.randn(loss.shape, generator=gen, dtype=torch.float64).to(loss.dtype)
-
-    loss, grads = loss_and_grads(kwargs, "cpu", grad_output, reduction=reduction, **options)
-    ref_loss, ref_grads = loss_and_grads(as_float64(kwargs), "reference", grad_output, reduction=reduction, **options)
-    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    for g, t in zip(grads, [kwargs["embeddings"], kwargs.get("ref_embeddings")]):
-        assert g.dtype == t.dtype and g.shape == t.shape
-    rtol = TOLERANCE[dtype]
-    assert_close(loss, ref_loss, rtol)
-    for g, ref_g in zip(grads, ref_grads):
-        assert_close(g, ref_g, rtol)
-    return ref_loss, ref_grads
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -73,7 +16,7 @@ def check_against_reference(kwargs, dtype, reduction="mean", **options):
 @pytest.mark.parametrize("case", ["self", "self_ids", "ref", "ref_ids", "ref_own_copy"])
 def test_matches_reference(case, mining, reduction, dtype):
     kwargs = build_case(case, 97, 130, dtype)
-    ref_loss, ref_grads = check_against_reference(kwargs, dtype, reduction, mining=mining)
+    ref_loss, ref_grads = check_against_reference("cpu", kwargs, dtype, reduction, mining=mining)
     assert ref_loss.abs().sum() > 0 and ref_grads[0].abs().sum() > 0  # the case is not trivial
 
 
@@ -84,7 +27,7 @@ def test_options(case, skip, normalize):
     kwargs = build_case(case, 61, 7, torch.float32, seed=3)
     if not normalize:
         kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1) * 0.9
-    check_against_reference(kwargs, torch.float32, "none", skip_incomplete_anchors=skip, normalize=normalize,
+    check_against_reference("cpu", kwargs, torch.float32, "none", skip_incomplete_anchors=skip, normalize=normalize,
                             alpha=3.0, beta=20.0, base=0.4, epsilon=0.05)
 
 
@@ -92,14 +35,14 @@ def test_options(case, skip, normalize):
 @pytest.mark.parametrize("mining", [True, False])
 def test_sizes(batch, dim, mining):
     for case in ("self", "ref"):
-        check_against_reference(build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, mining=mining)
+        check_against_reference("cpu", build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, mining=mining)
 
 
 @pytest.mark.parametrize("mining", [True, False])
 def test_several_row_chunks(mining):
     # 4500 x 4500 float64 similarities do not fit one 64 MiB chunk: rows go in 3 chunks.
     kwargs = build_case("self", 4500, 3, torch.float64, seed=7)
-    check_against_reference(kwargs, torch.float64, "none", mining=mining)
+    check_against_reference("cpu", kwargs, torch.float64, "none", mining=mining)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -107,7 +50,7 @@ def test_16_bit_inputs_compute_in_float32(dtype):
     kwargs = build_case("ref_ids", 97, 130, torch.float64, seed=5)
     for key in ("embeddings", "ref_embeddings"):  # unit rows, exactly representable in `dtype`
         kwargs[key] = F.normalize(kwargs[key], dim=1).to(dtype)
-    check_against_reference(kwargs, dtype, "none", normalize=False)
+    check_against_reference("cpu", kwargs, dtype, "none", normalize=False)
 
 
 def test_int32_labels_and_non_contiguous_inputs():
@@ -118,7 +61,7 @@ def test_int32_labels_and_non_contiguous_inputs():
     kwargs["ref_embeddings"] = kwargs["ref_embeddings"].T.contiguous().T  # column-major
     kwargs["ids"] = kwargs["ids"].to(torch.int32)
     assert not kwargs["embeddings"].is_contiguous() and not kwargs["ref_embeddings"].is_contiguous()
-    check_against_reference(kwargs, torch.float32, "sum")
+    check_against_reference("cpu", kwargs, torch.float32, "sum")
 
 
 def test_own_copy_in_reference_set_is_skipped():
@@ -205,6 +148,6 @@ def test_sparse_backward_path(case):
     maxneg = torch.where(neg, s, -torch.inf).amax(1, keepdim=True)
     kept = (pos & (s - 0.1 < maxneg)) | (neg & (s + 0.1 > minpos))
     assert 0 < kept.sum() * 2 < s.numel() / 16  # G + G^T has at most twice as many non-zeros
-    check_against_reference(kwargs, torch.float64, "none")
-    check_against_reference({k: (v.float() if v.is_floating_point() else v) for k, v in kwargs.items()},
+    check_against_reference("cpu", kwargs, torch.float64, "none")
+    check_against_reference("cpu", {k: (v.float() if v.is_floating_point() else v) for k, v in kwargs.items()},
                             torch.float32, "mean")

@@ -1,0 +1,105 @@
+"""Compiles every Triton kernel launch the dispatcher makes, ahead of time for sm_80 and sm_90
+(no GPU or driver needed), and prints one JSON record per (launch, target): tensor-core
+instructions in the PTX and what `ptxas -v` reports. Run by tests/test_triton_compile.py in a
+process of its own, because TRITON_INTERPRET=1 (set for the interpreted tests) replaces the jit
+functions this needs.  Usage: python tests/triton_aot.py
+"""
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
+
+TARGETS = {80: "sm_80", 90: "sm_90a"}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
+ROWS, REF_ROWS = 4096, 1000
+
+
+def launches(dtype, dim, mining, skip):
+    """The dispatcher's launches (GPU configurations) for the self and the reference-set case."""
+    x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
+    ref, ref_labels = torch.randn(REF_ROWS, dim, dtype=dtype), torch.randint(0, 100, (REF_ROWS,))
+    hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
+    found = {}
+    for case, r, rl in (("self", None, None), ("ref", ref, ref_labels)):
+        _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False)
+        *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False)
+        for launch in forward + backward:
+            c = launch.constexprs
+            name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
+            found.setdefault(name, launch)  # the forward kernels are the same in both cases
+    return found
+
+
+def signature(launch):
+    """Triton's launch-time specialisation: pointers and multiples of 16 get divisibility hints."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(launch.kernel.arg_names):
+        if name in launch.constexprs:
+            sig[name] = "constexpr"
+            continue
+        value = launch.args[name]
+        if isinstance(value, torch.Tensor):
+            sig[name], attrs[(i,)] = POINTER_TYPES[value.dtype], [["tt.divisibility", 16]]
+        elif isinstance(value, int):
+            sig[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    return sig, attrs
+
+
+def compile_record(job):
+    dtype_name, dim, mining, skip, name, cc = job
+    launch = launches(getattr(torch, dtype_name), dim, mining, skip)[name]
+    sig, attrs = signature(launch)
+    compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
+                              target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(cc).path, "-v", f"-arch={TARGETS[cc]}", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
+    return dict(dtype=dtype_name, dim=dim, mining=mining, skip=skip, kernel=name, cc=cc,
+                config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
+                wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx,
+                registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
+                spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
+
+
+def jobs():
+    for dtype in ("float16", "bfloat16", "float32"):
+        for dim in DIMS:
+            variants = [(True, False)] + ([(False, True)] if dim == DIMS[-1] else [])
+            for mining, skip in variants:
+                for name in launches(getattr(torch, dtype), dim, mining, skip):
+                    if name == "_mine_kernel" and not mining:
+                        continue  # it has no mining option
+                    for cc in TARGETS:
+                        yield dtype, dim, mining, skip, name, cc
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: ahead-of-time compilation needs the jit functions")
+    # spawn, not fork: a forked copy of a process that holds torch's thread pools can deadlock
+    with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for record in pool.map(compile_record, list(jobs())):
+            print(json.dumps(record), flush=True)

@@ -1,0 +1,398 @@
+"""Triton kernels of the Multi-Similarity loss (../shared/docs/SPEC.md), fused: no B x R buffer.
+
+Three kernels, one row block of anchors per program:
+- `_mine_kernel`: S tiles -> each anchor's hardest positive (minpos) and negative (maxneg);
+- `_lse_kernel`: S tiles again -> mined sets -> log(1 + sum exp) of both terms, whose shift is known
+  from minpos/maxneg, and the per-anchor loss; saves stats [4, B] = (minpos, maxneg, LP, LN);
+- `_grad_kernel`: program (I, d) recomputes S_IJ for every column block J and accumulates
+  H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of each pair
+  (no atomics, the same bits on every run); reference case: dx with anchors on the rows, dref with
+  the anchors on the columns.
+The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
+Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
+with float32 accumulation; float32 tiles use IEEE float32 products (no TF32).
+
+Verified: loss and gradients against the float64 reference under TRITON_INTERPRET=1 on CPU tensors
+(tests/test_triton.py), and PTX/ptxas facts of every shipped configuration compiled ahead of time
+for sm_80 and sm_90 (tests/test_triton_compile.py). Not yet run on a GPU: no GPU timings exist.
+"""
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import ops
+
+# jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INF = tl.constexpr(float("inf"))  # a global a jit function may read
+
+
+# ---- per-pair math --------------------------------------------------------------------------
+@triton.jit
+def _pair_classes(label_i, id_i, label_j, id_j, col_ok):
+    """[M, N] positive / negative pairs of rows i and columns j; equal identities are skipped."""
+    same = label_i[:, None] == label_j[None, :]
+    kept = (id_i[:, None] != id_j[None, :]) & col_ok[None, :]
+    return same & kept, (same == 0) & kept
+
+
+@triton.jit
+def _mined_sets(s, positive, negative, minpos, maxneg, epsilon, MINING: tl.constexpr):
+    """Similarity-P: a positive harder than the hardest negative by epsilon, and vice versa."""
+    if MINING:
+        positive = positive & (s - epsilon < maxneg)
+        negative = negative & (s + epsilon > minpos)
+    return positive, negative
+
+
+@triton.jit
+def _set_flags(minpos, maxneg, epsilon, MINING: tl.constexpr):
+    """Whether P_i and N_i are non-empty: decided by the anchor's hardest pairs alone."""
+    has_positive = minpos < INF
+    has_negative = maxneg > -INF
+    if MINING:
+        has_positive = has_positive & (minpos - epsilon < maxneg)
+        has_negative = has_negative & (maxneg + epsilon > minpos)
+    return has_positive, has_negative
+
+
+@triton.jit
+def _anchor_counts(minpos, maxneg, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):
+    """skip_incomplete_anchors: an anchor lacking either mined set contributes nothing."""
+    has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
+    if SKIP_INCOMPLETE:
+        return has_positive & has_negative
+    return has_positive | True
+
+
+@triton.jit
+def _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING: tl.constexpr):
+    """m = max(0, largest exponent of the set): the largest exponent belongs to the hardest pair."""
+    has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
+    shift_p = tl.where(has_positive, tl.maximum(-alpha * (minpos - base), 0.0), 0.0)
+    shift_n = tl.where(has_negative, tl.maximum(beta * (maxneg - base), 0.0), 0.0)
+    return shift_p, shift_n
+
+
+@triton.jit
+def _pair_weights(s, positive, negative, lp, ln, alpha, beta, base):
+    """dL_i/dS_ij (General Pair Weighting); 0 outside the mined sets."""
+    w_positive = -tl.exp(-alpha * (s - base) - lp)
+    w_negative = tl.exp(beta * (s - base) - ln)
+    return tl.where(positive, w_positive, tl.where(negative, w_negative, 0.0))
+
+
+# ---- tiles ----------------------------------------------------------------------------------
+@triton.jit
+def _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T (rows of both are `dim` long)."""
+    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, dim, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * dim + ks[None, :],
+                    mask=(rows[:, None] < num_a) & (ks[None, :] < dim), other=0.0)
+        b_t = tl.load(b_ptr + cols[None, :] * dim + ks[:, None],
+                      mask=(cols[None, :] < num_b) & (ks[:, None] < dim), other=0.0)
+        if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
+            a = a.to(tl.float32)
+            b_t = b_t.to(tl.float32)
+        s = tl.dot(a, b_t, s, input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def _load_keys(labels_ptr, ids_ptr, index, ok):
+    return tl.load(labels_ptr + index, mask=ok, other=0), tl.load(ids_ptr + index, mask=ok, other=-1)
+
+
+# ---- kernels --------------------------------------------------------------------------------
+@triton.jit
+def _mine_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, stats_ptr,
+                 num_x, num_ref, dim,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_x
+    label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
+    minpos = tl.full((BLOCK_M,), INF, tl.float32)
+    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
+    for start in range(0, num_ref, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < num_ref
+        label_j, id_j = _load_keys(ref_labels_ptr, ref_ids_ptr, cols, col_ok)
+        s = _similarity_tile(x_ptr, ref_ptr, rows, cols, num_x, num_ref, dim,
+                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+        minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
+        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
+    tl.store(stats_ptr + rows, minpos, mask=row_ok)
+    tl.store(stats_ptr + num_x + rows, maxneg, mask=row_ok)
+
+
+@triton.jit
+def _lse_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, stats_ptr, loss_ptr,
+                num_x, num_ref, dim, alpha, beta, base, epsilon,
+                MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_x
+    label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
+    minpos = tl.load(stats_ptr + rows, mask=row_ok, other=INF)
+    maxneg = tl.load(stats_ptr + num_x + rows, mask=row_ok, other=-INF)
+    shift_p, shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
+    sum_p = tl.zeros((BLOCK_M,), tl.float32)
+    sum_n = tl.zeros((BLOCK_M,), tl.float32)
+    for start in range(0, num_ref, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < num_ref
+        label_j, id_j = _load_keys(ref_labels_ptr, ref_ids_ptr, cols, col_ok)
+        s = _similarity_tile(x_ptr, ref_ptr, rows, cols, num_x, num_ref, dim,
+                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+        positive, negative = _mined_sets(s, positive, negative, minpos[:, None], maxneg[:, None], epsilon, MINING)
+        sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
+        sum_n += tl.sum(tl.where(negative, tl.exp(beta * (s - base) - shift_n[:, None]), 0.0), axis=1)
+    lp = shift_p + tl.log(tl.exp(-shift_p) + sum_p)
+    ln = shift_n + tl.log(tl.exp(-shift_n) + sum_n)
+    counts = _anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE)
+    tl.store(loss_ptr + rows, tl.where(counts, lp / alpha + ln / beta, 0.0), mask=row_ok)
+    tl.store(stats_ptr + 2 * num_x + rows, lp, mask=row_ok)
+    tl.store(stats_ptr + 3 * num_x + rows, ln, mask=row_ok)
+
+
+@triton.jit
+def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
+                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):
+    """Stats of the anchors `index` and their gradient scale (0 where the anchor does not count)."""
+    minpos = tl.load(stats_ptr + index, mask=ok, other=INF)
+    maxneg = tl.load(stats_ptr + num_anchors + index, mask=ok, other=-INF)
+    lp = tl.load(stats_ptr + 2 * num_anchors + index, mask=ok, other=0.0)
+    ln = tl.load(stats_ptr + 3 * num_anchors + index, mask=ok, other=0.0)
+    scale = tl.load(scale_ptr + index, mask=ok, other=0.0)
+    scale = tl.where(_anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE), scale, 0.0)
+    return minpos, maxneg, lp, ln, scale
+
+
+@triton.jit
+def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
+                 stats_ptr, scale_ptr, norm_ptr, out_ptr,
+                 num_a, num_b, num_anchors, dim, alpha, beta, base, epsilon,
+                 MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                 A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """out[rows, d-block] = sum_J H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ (anchors on the rows
+    of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_a
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    label_i, id_i = _load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
+    if A_ANCHORS:
+        minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
+            stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start in range(0, num_b, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < num_b
+        label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
+        s = _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim,
+                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+        h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if A_ANCHORS:
+            p, n = _mined_sets(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], epsilon, MINING)
+            h += scale_i[:, None] * _pair_weights(s, p, n, lp_i[:, None], ln_i[:, None], alpha, beta, base)
+        if B_ANCHORS:  # classes are symmetric; the column anchors' own stats decide their sets
+            minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
+                stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
+            p, n = _mined_sets(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], epsilon, MINING)
+            h += scale_j[None, :] * _pair_weights(s, p, n, lp_j[None, :], ln_j[None, :], alpha, beta, base)
+        b = tl.load(b_ptr + cols[:, None] * dim + ds[None, :],
+                    mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
+        if UPCAST:
+            b = b.to(tl.float32)
+        acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
+    acc = acc * tl.load(norm_ptr)
+    tl.store(out_ptr + rows[:, None] * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (ds[None, :] < dim))
+
+
+# ---- launch plans -----------------------------------------------------------------------------
+class Launch(NamedTuple):
+    """One kernel launch: tensors and scalars in `args`, specialisations in `constexprs`."""
+    kernel: object
+    grid: tuple
+    args: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def __call__(self):
+        self.kernel[self.grid](**self.args, **self.constexprs,
+                               num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _pow2_at_least_16(n):
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def tile_config(kind, dtype, dim, interpret=INTERPRETED):
+    """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype and D.
+
+    16-bit: 128-row blocks over 8 warps (two Hopper warpgroups), 3 stages; beside a [128, 128]
+    float32 accumulator (D > 64) the backward takes 32 columns per step, which is what fits
+    Ampere's registers without spills; D beyond 128 is split over program_id(1) (S is recomputed
+    per split). float32 runs
+    IEEE FMA products (TF32 would miss 1e-5; 3xTF32 spills on sm_80) on small single-stage tiles.
+    Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
+    The interpreter gets few, larger tiles: its cost is per tile op.
+    Every configuration this returns for a GPU is compiled for sm_80 and sm_90 by the tests.
+    """
+    if interpret:
+        config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
+    elif dtype == torch.float32:
+        config = dict(BLOCK_M=64, BLOCK_N=32 if kind == "forward" else 16, BLOCK_K=32, BLOCK_D=64,
+                      num_warps=8, num_stages=1)
+    else:
+        config = dict(BLOCK_M=128, BLOCK_N=32 if kind == "backward" and dim > 64 else 64, BLOCK_K=64,
+                      BLOCK_D=128, num_warps=8, num_stages=3)
+    config["BLOCK_K"] = min(config["BLOCK_K"], _pow2_at_least_16(dim))
+    config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
+    if kind == "forward":
+        del config["BLOCK_D"]
+    config["UPCAST"] = interpret and dtype == torch.bfloat16
+    config["PRECISION"] = "ieee" if dtype == torch.float32 else "tf32"  # tf32: unused for 16-bit
+    return config
+
+
+def _aligned_rows(t, dtype):
+    """`t` in `dtype`, contiguous, rows zero-padded to a multiple of 16 elements (32-byte aligned
+    rows load as vectors; zero columns change no similarity)."""
+    pad = -t.shape[1] % 16
+    t = t.to(dtype)
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
+
+
+def _operands(x, labels, ids, ref, ref_labels, ref_ids):
+    """Aligned rows of one dtype and int64 keys of both ends; default identities never collide
+    across ends (self case: the row index, so the diagonal is skipped)."""
+    batch = x.shape[0]
+    dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
+    x = _aligned_rows(x, dtype)
+    ref = None if ref is None else _aligned_rows(ref, dtype)
+    ids = torch.arange(batch, device=x.device) if ids is None else ids
+    if ref is None:
+        ref, ref_labels, ref_ids = x, labels, ids
+    elif ref_ids is None:
+        ref_ids = torch.arange(batch, batch + ref.shape[0], device=x.device)
+    keys = [t.to(torch.int64).contiguous() for t in (labels, ids, ref_labels, ref_ids)]
+    return (x, ref, *keys)
+
+
+def _split(config):
+    config = dict(config)
+    return config, config.pop("num_warps"), config.pop("num_stages")
+
+
+def _check_dtypes(*tensors):
+    for t in tensors:
+        if t is not None and t.dtype not in DTYPES:
+            raise TypeError(f"the triton backend takes float32, float16 or bfloat16 embeddings, got {t.dtype} "
+                            "(use backend='cpu' or 'reference' for float64)")
+
+
+def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
+                 skip_incomplete_anchors, interpret=INTERPRETED):
+    """(loss [B], stats [4, B], launches that fill them)."""
+    _check_dtypes(x, ref)
+    a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
+    num_x, dim = a.shape
+    loss = torch.zeros(num_x, dtype=torch.float32, device=x.device)
+    stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
+    config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret))
+    grid = (triton.cdiv(num_x, config["BLOCK_M"]),)
+    common = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
+                  ref_ids_ptr=b_ids, stats_ptr=stats, num_x=num_x, num_ref=b.shape[0], dim=dim)
+    hyper = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon)
+    options = dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
+    launches = [
+        Launch(_mine_kernel, grid, common, config, warps, stages),
+        Launch(_lse_kernel, grid, dict(common, loss_ptr=loss, **hyper), dict(config, **options), warps, stages),
+    ]
+    return loss, stats, launches
+
+
+def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
+                  mining, skip_incomplete_anchors, interpret=INTERPRETED):
+    """(grad_x, grad_ref or empty [0], launches that fill them)."""
+    _check_dtypes(x, ref)
+    a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
+    num_x, dim = a.shape
+    # Pair weights enter the second product in the input dtype: scale them to |.| <= 1 so that
+    # float16 keeps its precision (grad/B under "mean" would be subnormal), and scale back at the end.
+    scale = grad_loss.to(torch.float32).contiguous()
+    norm = scale.abs().amax(dim=0, keepdim=True).clamp_min(1e-30) if num_x else scale.new_ones(1)
+    scale = scale / norm
+    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
+    grid_d = triton.cdiv(dim, config["BLOCK_D"])
+    shared = dict(stats_ptr=stats.contiguous(), scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
+                  alpha=alpha, beta=beta, base=base, epsilon=epsilon)
+    config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
+
+    def grad_launch(rows, rows_keys, cols, cols_keys, out, a_anchors, b_anchors):
+        args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
+                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out,
+                    num_a=rows.shape[0], num_b=cols.shape[0], **shared)
+        grid = (triton.cdiv(rows.shape[0], config["BLOCK_M"]), grid_d)
+        return Launch(_grad_kernel, grid, args, dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors),
+                      warps, stages)
+
+    grad_x = torch.empty_like(a)
+    if ref is None:  # row block I builds G_IJ + G_JI^T itself
+        return grad_x, x.new_empty((0,)), [grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), grad_x, True, True)]
+    grad_ref = torch.empty_like(b)
+    launches = [grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), grad_x, True, False),
+                grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), grad_ref, False, True)]
+    return grad_x, grad_ref, launches
+
+
+def _run(plan, *args):
+    *outputs, launches = plan(*args)
+    for launch in launches:
+        if launch.grid[0] > 0 and launch.grid[-1] > 0:  # an empty grid has nothing to write
+            launch()
+    return tuple(outputs)
+
+
+# ---- the ops (same schema, fakes and autograd as the C++ ops) -------------------------------------
+@torch.library.custom_op("ms_loss_cuda::triton_forward", mutates_args=())
+def triton_forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+                   ref_labels: Optional[torch.Tensor], ref_ids: Optional[torch.Tensor], alpha: float, beta: float,
+                   base: float, epsilon: float, mining: bool,
+                   skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(forward_plan, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
+                skip_incomplete_anchors)
+
+
+@torch.library.custom_op("ms_loss_cuda::triton_backward", mutates_args=())
+def triton_backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, labels: torch.Tensor,
+                    ids: Optional[torch.Tensor], ref: Optional[torch.Tensor], ref_labels: Optional[torch.Tensor],
+                    ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
+                    mining: bool, skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_ref = _run(backward_plan, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta,
+                            base, epsilon, mining, skip_incomplete_anchors)
+
+    def unpadded(grad, like):  # back to the input's width and dtype (mixed dtypes ran promoted)
+        return grad[:, :like.shape[1]].to(like.dtype).contiguous()
+
+    return unpadded(grad_x, x), (grad_ref if ref is None else unpadded(grad_ref, ref))
+
+
+ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", triton_backward)
