@@ -13,7 +13,7 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products (no TF32).
 
 Verified: loss and gradients against the float64 reference under TRITON_INTERPRET=1 on CPU tensors
-(tests/test_triton.py), and PTX/ptxas facts of every shipped configuration compiled ahead of time
+(tests/test_gpu_backends.py), and PTX/ptxas facts of every shipped configuration compiled ahead of time
 for sm_80 and sm_90 (tests/test_triton_compile.py). Not yet run on a GPU: no GPU timings exist.
 """
 import os
@@ -246,10 +246,10 @@ def _pow2_at_least_16(n):
 def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype and D.
 
-    16-bit: 128-row blocks over 8 warps (two Hopper warpgroups), 3 stages; beside a [128, 128]
-    float32 accumulator (D > 64) the backward takes 32 columns per step, which is what fits
-    Ampere's registers without spills; D beyond 128 is split over program_id(1) (S is recomputed
-    per split). float32 runs
+    16-bit: 8 warps (two Hopper warpgroups), 3 stages; the forward takes 128 x 64 tiles; the
+    backward 64 rows with a float32 accumulator of up to 256 columns of D (beside it, 32 columns
+    per step when D > 64: what fits Ampere's registers without spills). D beyond 256 is split over
+    program_id(1), and S is recomputed per split: the backward costs 1 + ceil(D / 256) GEMMs. float32 runs
     IEEE FMA products (TF32 would miss 1e-5; 3xTF32 spills on sm_80) on small single-stage tiles.
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
@@ -260,13 +260,16 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     elif dtype == torch.float32:
         config = dict(BLOCK_M=64, BLOCK_N=32 if kind == "forward" else 16, BLOCK_K=32, BLOCK_D=64,
                       num_warps=8, num_stages=1)
+    elif kind == "forward":
+        config = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
-        config = dict(BLOCK_M=128, BLOCK_N=32 if kind == "backward" and dim > 64 else 64, BLOCK_K=64,
-                      BLOCK_D=128, num_warps=8, num_stages=3)
+        config = dict(BLOCK_M=64, BLOCK_N=32 if dim > 64 else 64, BLOCK_K=64, BLOCK_D=256, num_warps=8,
+                      num_stages=3)
     config["BLOCK_K"] = min(config["BLOCK_K"], _pow2_at_least_16(dim))
-    config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
     if kind == "forward":
-        del config["BLOCK_D"]
+        config.pop("BLOCK_D", None)
+    else:
+        config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = "ieee" if dtype == torch.float32 else "tf32"  # tf32: unused for 16-bit
     return config
