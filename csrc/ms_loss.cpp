@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "ms_loss_schema.h"
+
 // Importing ms_loss_cuda._C loads this library, which runs the registrations below.
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
@@ -11,15 +13,6 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(ms_loss_cuda, m) {
-  // Per-anchor losses [B] and statistics [4, B] (minpos, maxneg, LP, LN), both in the compute
-  // dtype (float32, or float64 for float64 inputs). Without `ref` the reference set is x itself.
-  m.def(
-      "ms_loss_forward(Tensor x, Tensor labels, Tensor? ids, Tensor? ref, Tensor? ref_labels, "
-      "Tensor? ref_ids, float alpha, float beta, float base, float epsilon, bool mining, "
-      "bool skip_incomplete_anchors) -> (Tensor, Tensor)");
-  // Gradients of sum_i grad_loss[i] * L_i for x and ref (an empty tensor without `ref`).
-  m.def(
-      "ms_loss_backward(Tensor grad_loss, Tensor stats, Tensor x, Tensor labels, Tensor? ids, "
-      "Tensor? ref, Tensor? ref_labels, Tensor? ref_ids, float alpha, float beta, float base, "
-      "float epsilon, bool mining, bool skip_incomplete_anchors) -> (Tensor, Tensor)");
+  m.def(ms_loss::kForwardSchema);
+  m.def(ms_loss::kBackwardSchema);
 }

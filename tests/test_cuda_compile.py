@@ -59,7 +59,7 @@ def kernel_kind(mangled):
 
 
 def test_sources_exist():
-    assert [os.path.basename(s) for s in SOURCES] == ["ms_loss_cuda.cu"]
+    assert [os.path.basename(s) for s in SOURCES] == ["ms_loss_cuda.cu"]  # it includes ms_loss_kernels.cuh
 
 
 def test_every_kernel_for_both_targets(compiled):

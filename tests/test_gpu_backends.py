@@ -1,12 +1,21 @@
-"""The GPU backends (triton, cuda) against the float64 reference: the same suite for both.
+"""The GPU backends against the float64 reference: one suite, run for every target available.
 
-triton runs on CUDA tensors when a GPU is present, else under TRITON_INTERPRET=1 on CPU tensors
-(conftest sets it before the kernels are imported). cuda needs a GPU and the CUDA kernels built;
-without them its cases are skipped (tests/test_cuda_compile.py checks what can be checked here).
+- triton: on CUDA tensors when a GPU is present, else under TRITON_INTERPRET=1 on CPU tensors
+  (conftest sets it before the kernels are imported);
+- cuda: on CUDA tensors; needs a GPU and the CUDA kernels built (else skipped);
+- cuda_emulated: the CUDA backend's kernels and host logic (csrc/cuda/ms_loss_kernels.cuh) built
+  by the host compiler on tests/cuda_emulation/cuda_on_cpu.h, every block's threads run as CPU
+  threads: the thread mapping, tiles, barriers and WMMA operand layouts of the CUDA kernels,
+  checked without a GPU (tests/test_cuda_compile.py checks what nvcc makes of them).
 """
+import os
+import shutil
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import cpp_extension
 
 from ms_loss_cuda import loss as api, multi_similarity_loss, ops
 
@@ -14,130 +23,156 @@ from conftest import build_case, check_against_reference, loss_and_grads, make_b
 
 try:
     import ms_loss_cuda.triton_kernels as triton_kernels
-except ImportError as error:
-    triton_kernels, TRITON_ERROR = None, error
+except ImportError:
+    triton_kernels = None
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = [
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the issues' targets: 1e-5 relative in float32; float16 / bfloat16 rounding of the weights that
+# enter the second product (interpreted bfloat16 tiles are upcast, so that case is tighter there)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+class Target(NamedTuple):
+    backend: str  # the name multi_similarity_loss takes
+    device: str
+    forward: object  # the fused ops
+    backward: object
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda_ops(tmp_path_factory):
+    """Builds tests/cuda_emulation/emulated_ms_loss.cpp and gives its fused ops autograd."""
+    cpp_extension.load(
+        name="ms_loss_cuda_emulated", sources=[os.path.join(HERE, "cuda_emulation", "emulated_ms_loss.cpp")],
+        extra_include_paths=[os.path.join(os.path.dirname(HERE), "csrc"), os.path.join(HERE, "cuda_emulation")],
+        extra_cflags=["-O2", "-std=c++20", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+        extra_ldflags=["-pthread"], build_directory=str(tmp_path_factory.mktemp("cuda_emulation")),
+        is_python_module=False)
+    emulated = torch.ops.ms_loss_cuda_emulated
+    ops.register_fused_op("ms_loss_cuda_emulated::ms_loss_forward", "ms_loss_cuda_emulated::ms_loss_backward",
+                          emulated.ms_loss_backward.default)
+    return emulated.ms_loss_forward.default, emulated.ms_loss_backward.default
+
+
+@pytest.fixture(params=[
     pytest.param("triton", marks=pytest.mark.skipif(
         triton_kernels is None or (DEVICE == "cpu" and not triton_kernels.INTERPRETED),
         reason="Triton missing, or no GPU and TRITON_INTERPRET=1 not set before the kernels were imported")),
     pytest.param("cuda", marks=pytest.mark.skipif(
         DEVICE == "cpu" or api._unavailable_reason("cuda", torch.device(DEVICE)) is not None,
         reason="needs a GPU and the CUDA kernels built")),
-]
-# the issues' targets: 1e-5 relative in float32; float16 / bfloat16 rounding of the weights that
-# enter the second product (interpreted bfloat16 tiles are upcast, so that case is tighter there)
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    pytest.param("cuda_emulated", marks=pytest.mark.skipif(
+        ops.LOAD_ERROR is not None or shutil.which("ninja") is None,
+        reason="needs the built extension (its autograd path) and ninja to build the emulation")),
+])
+def target(request, monkeypatch):
+    if request.param == "triton":
+        return Target("triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
+                      torch.ops.ms_loss_cuda.triton_backward.default)
+    if request.param == "cuda":
+        return Target("cuda", DEVICE, ops.forward_op, ops.backward_op)
+    forward, backward = request.getfixturevalue("emulated_cuda_ops")
+    monkeypatch.setattr(ops, "forward_op", forward)  # backend="cpu" now calls the emulated CUDA op
+    return Target("cpu", "cpu", forward, backward)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
-
-
-def fused_ops(backend):
-    if backend == "triton":
-        return torch.ops.ms_loss_cuda.triton_forward.default, torch.ops.ms_loss_cuda.triton_backward.default
-    return ops.forward_op, ops.backward_op
-
-
-def check(backend, kwargs, dtype, reduction="mean", **options):
-    return check_against_reference(backend, kwargs, dtype, reduction, device=DEVICE, rtol=TOLERANCE[dtype],
-                                   **options)
+def check(target, kwargs, dtype, reduction="mean", **options):
+    return check_against_reference(target.backend, kwargs, dtype, reduction, device=target.device,
+                                   rtol=TOLERANCE[dtype], **options)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("mining", [True, False])
 @pytest.mark.parametrize("case", ["self", "self_ids", "ref", "ref_ids", "ref_own_copy"])
-def test_matches_reference(backend, case, mining, reduction):
+def test_matches_reference(target, case, mining, reduction):
     # 97 rows and D = 130 leave partial row, column and K tiles, and split D over two programs
-    ref_loss, ref_grads = check(backend, build_case(case, 97, 130, torch.float32), torch.float32, reduction, mining=mining)
+    ref_loss, ref_grads = check(target, build_case(case, 97, 130, torch.float32), torch.float32, reduction, mining=mining)
     assert ref_loss.abs().sum() > 0 and ref_grads[0].abs().sum() > 0  # the case is not trivial
 
 
 @pytest.mark.parametrize("batch,dim", [(1, 3), (2, 3), (2, 64), (37, 3), (37, 130), (97, 64), (300, 3), (300, 130)])
 @pytest.mark.parametrize("mining", [True, False])
-def test_sizes(backend, batch, dim, mining):
+def test_sizes(target, batch, dim, mining):
     for case in ("self", "ref"):
-        check(backend, build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, mining=mining)
+        check(target, build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, mining=mining)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mining", [True, False])
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
-def test_16_bit_inputs(backend, case, mining, dtype):
+def test_16_bit_inputs(target, case, mining, dtype):
     kwargs = build_case(case, 97, 130, torch.float64, seed=5)
     for key in ("embeddings", "ref_embeddings"):  # unit rows, exactly representable in `dtype`
         if key in kwargs:
             kwargs[key] = F.normalize(kwargs[key], dim=1).to(dtype)
-    check(backend, kwargs, dtype, "none", normalize=False, mining=mining)
+    check(target, kwargs, dtype, "none", normalize=False, mining=mining)
 
 
-def test_mixed_input_dtypes(backend):
+def test_mixed_input_dtypes(target):
     kwargs = build_case("ref", 37, 64, torch.float32, seed=6)
     kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1).half()
-    check(backend, kwargs, torch.float16, normalize=False)
+    check(target, kwargs, torch.float16, normalize=False)
 
 
 @pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
-def test_options(backend, case, skip):
+def test_options(target, case, skip):
     kwargs = build_case(case, 61, 7, torch.float32, seed=3)
     kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1) * 0.9
-    check(backend, kwargs, torch.float32, "none", skip_incomplete_anchors=skip, normalize=False,
+    check(target, kwargs, torch.float32, "none", skip_incomplete_anchors=skip, normalize=False,
           alpha=3.0, beta=20.0, base=0.4, epsilon=0.05)
 
 
-def test_empty_reference_set_gives_zero(backend):
+def test_empty_reference_set_gives_zero(target):
     x, labels = make_batch(5, 3, 2, dtype=torch.float32)
     loss, (grad_x, grad_ref) = loss_and_grads(
-        to(dict(embeddings=x, labels=labels, ref_embeddings=torch.zeros(0, 3), ref_labels=labels[:0]), DEVICE),
-        backend, torch.ones_like)
+        to(dict(embeddings=x, labels=labels, ref_embeddings=torch.zeros(0, 3), ref_labels=labels[:0]), target.device),
+        target.backend, torch.ones_like)
     assert loss.item() == 0 and grad_x.abs().sum() == 0 and grad_ref.shape == (0, 3)
 
 
-def test_backward_is_bitwise_deterministic(backend):
+def test_backward_is_bitwise_deterministic(target):
     for kwargs in (build_case("self", 300, 64, torch.float32, seed=8), build_case("ref_ids", 300, 64, torch.float32)):
-        kwargs = to(kwargs, DEVICE)
-        first = loss_and_grads(kwargs, backend, torch.ones_like)
-        again = loss_and_grads(kwargs, backend, torch.ones_like)
+        kwargs = to(kwargs, target.device)
+        first = loss_and_grads(kwargs, target.backend, torch.ones_like)
+        again = loss_and_grads(kwargs, target.backend, torch.ones_like)
         assert torch.equal(first[0], again[0])
         assert all(torch.equal(a, b) for a, b in zip(first[1], again[1]))
 
 
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
-def test_opcheck(backend, case):
-    forward, backward = fused_ops(backend)
-    kwargs = to(build_case(case, 29, 16, torch.float32, seed=1), DEVICE)
+def test_opcheck(target, case):
+    kwargs = to(build_case(case, 29, 16, torch.float32, seed=1), target.device)
     x = F.normalize(kwargs["embeddings"], dim=1).requires_grad_()
     ref = kwargs.get("ref_embeddings")
     ref = None if ref is None else F.normalize(ref, dim=1).requires_grad_()
     args = (x, kwargs["labels"], kwargs.get("ids"), ref, kwargs.get("ref_labels"), kwargs.get("ref_ids"),
             2.0, 50.0, 0.5, 0.1, True, False)
-    torch.library.opcheck(forward, args)
-    loss, stats = forward(*args)
+    torch.library.opcheck(target.forward, args)
+    loss, stats = target.forward(*args)
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-    torch.library.opcheck(backward, (torch.rand_like(loss), stats.detach()) + detached)
+    torch.library.opcheck(target.backward, (torch.rand_like(loss), stats.detach()) + detached)
 
 
-def test_saves_the_cpu_kernels_statistics(backend):
+def test_saves_the_cpu_kernels_statistics(target):
     kwargs = build_case("ref_ids", 97, 64, torch.float32, seed=4)
     x, ref = F.normalize(kwargs["embeddings"], dim=1), F.normalize(kwargs["ref_embeddings"], dim=1)
     args = (kwargs["labels"], kwargs["ids"], ref, kwargs["ref_labels"], kwargs["ref_ids"], 2.0, 50.0, 0.5, 0.1, True, False)
-    on_device = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
-    _, stats = fused_ops(backend)[0](x.to(DEVICE), *on_device)
+    on_device = [a.to(target.device) if isinstance(a, torch.Tensor) else a for a in args]
+    _, stats = target.forward(x.to(target.device), *on_device)
     _, cpu_stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, *args)
     torch.testing.assert_close(stats.cpu(), cpu_stats, rtol=1e-5, atol=1e-6)
 
 
-def test_float64_is_refused_with_a_clear_error(backend):
+def test_float64_is_refused_with_a_clear_error(target):
     x, labels = make_batch(8, 4, 3)
-    x, labels = x.to(DEVICE), labels.to(DEVICE)
-    with pytest.raises(RuntimeError, match=f"backend '{backend}' cannot run: .*float32, float16 or bfloat16.*float64"):
-        multi_similarity_loss(x, labels, backend=backend)
+    x, labels = x.to(target.device), labels.to(target.device)
+    if target.backend != "cpu":  # (the emulation runs under the name of the cpu backend, which takes float64)
+        with pytest.raises(RuntimeError, match=f"backend '{target.backend}' cannot run: .*bfloat16.*float64"):
+            multi_similarity_loss(x, labels, backend=target.backend)
     with pytest.raises((TypeError, RuntimeError), match="float64"):  # the op itself refuses it too
-        fused_ops(backend)[0](x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
+        target.forward(x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
 
 
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu", reason="about the interpreter on a machine without GPU")

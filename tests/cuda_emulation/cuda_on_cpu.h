@@ -1,0 +1,110 @@
+// Just enough of CUDA, on the host, to run csrc/cuda/ms_loss_kernels.cuh on CPU threads: each block's
+// 128 threads are std::threads (blocks run one after another), __syncthreads is a barrier,
+// __shared__ arrays are function statics (one per kernel instantiation: the running block's), and
+// WMMA fragments hold the whole 16 x 16 tile in every lane, following the documented semantics of
+// load_matrix_sync (row_major / col_major with ldm), mma_sync and store_matrix_sync.
+// It checks what the kernels compute and how threads map to pairs; not timing, not warp-level
+// hazards, not the hardware's fragment layouts.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+using __half = c10::Half;
+using __nv_bfloat16 = c10::BFloat16;
+inline __half __float2half_rn(float v) { return c10::Half(v); }                // round to nearest even
+inline __nv_bfloat16 __float2bfloat16_rn(float v) { return c10::BFloat16(v); }  // round to nearest even
+
+inline thread_local dim3 threadIdx, blockIdx;
+
+namespace cuda_emulation {
+constexpr int kMaxThreads = 1024;
+inline std::barrier<>* block_barrier = nullptr;
+inline float shuffle_slots[kMaxThreads];
+}  // namespace cuda_emulation
+
+inline void __syncthreads() { cuda_emulation::block_barrier->arrive_and_wait(); }
+
+// Every thread of the block must call it at the same point (true of the kernels' uses).
+inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
+  cuda_emulation::shuffle_slots[threadIdx.x] = value;
+  __syncthreads();
+  const float other = cuda_emulation::shuffle_slots[threadIdx.x ^ unsigned(lane_mask)];
+  __syncthreads();
+  return other;
+}
+
+namespace nvcuda::wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "only the 16x16x16 shape is emulated");
+  static constexpr int num_elements = 256;
+  float x[256];  // element (r, c) of the 16 x 16 tile at x[16 r + c], in every lane
+};
+
+template <typename Use, typename T, typename Layout>
+void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float value) {
+  for (float& v : f.x) v = value;
+}
+
+template <typename Use, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c)
+      f.x[16 * r + c] = float(std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r]);
+}
+
+template <typename T, typename LayoutA, typename LayoutB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LayoutA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LayoutB>& b,
+              const fragment<accumulator, 16, 16, 16, float>& c) {
+  float out[256];
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 16; ++n) {
+      float sum = c.x[16 * r + n];
+      for (int k = 0; k < 16; ++k) sum += a.x[16 * r + k] * b.x[16 * k + n];
+      out[16 * r + n] = sum;
+    }
+  for (int e = 0; e < 256; ++e) d.x[e] = out[e];
+}
+
+// One lane writes (every lane holds the same tile); readers synchronise first, as on the GPU.
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
+                              layout_t layout) {
+  if (threadIdx.x % 32 != 0) return;
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[16 * r + c];
+}
+}  // namespace nvcuda::wmma

@@ -1,0 +1,43 @@
+// The CUDA backend's kernels and host logic (csrc/cuda/ms_loss_kernels.cuh), built by a host compiler
+// on top of cuda_on_cpu.h, registered as torch.ops.ms_loss_cuda_emulated.ms_loss_forward/_backward
+// for CPU tensors. Built and run by tests/test_gpu_backends.py (target cuda_emulated).
+#include "cuda_on_cpu.h"
+
+#include <torch/library.h>
+
+#include <thread>
+#include <vector>
+
+#include "cuda/ms_loss_kernels.cuh"
+#include "ms_loss_schema.h"
+
+namespace ms_loss_cuda_kernels {
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, Args... args) {
+  for (unsigned y = 0; y < grid.y; ++y)
+    for (unsigned x = 0; x < grid.x; ++x) {
+      std::barrier<> barrier(kThreads);
+      cuda_emulation::block_barrier = &barrier;
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < unsigned(kThreads); ++t)
+        threads.emplace_back([&, t] {
+          threadIdx = dim3(t);
+          blockIdx = dim3(x, y);
+          kernel(args...);
+        });
+      for (std::thread& thread : threads) thread.join();
+    }
+}
+
+}  // namespace ms_loss_cuda_kernels
+
+TORCH_LIBRARY(ms_loss_cuda_emulated, m) {
+  m.def(ms_loss::kForwardSchema);
+  m.def(ms_loss::kBackwardSchema);
+}
+
+TORCH_LIBRARY_IMPL(ms_loss_cuda_emulated, CPU, m) {
+  m.impl("ms_loss_forward", &ms_loss_cuda_kernels::forward);
+  m.impl("ms_loss_backward", &ms_loss_cuda_kernels::backward);
+}
