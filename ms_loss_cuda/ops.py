@@ -18,20 +18,20 @@ except ImportError as error:  # the package still works through the reference ba
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
 
 
-def compute_dtype(x):
+def _compute_dtype(x):
     """The dtype of every similarity, exponent, sum and of the loss: float64 for float64, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def register_fused_op(forward_name, backward_name, backward_op):
     """Fake kernels and autograd for a (forward, backward) pair of ops with the schemas of
-    csrc/ms_loss.cpp: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
+    csrc/ms_loss_schema.h: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
     stats [4, B]); backward(grad_loss, stats, x, ..., *hyper) -> (grad_x, grad_ref or empty [0])."""
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
         batch = x.shape[0]
-        dtype = compute_dtype(x)
+        dtype = _compute_dtype(x)
         return x.new_empty((batch,), dtype=dtype), x.new_empty((4, batch), dtype=dtype)
 
     @torch.library.register_fake(backward_name)

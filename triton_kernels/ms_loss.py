@@ -111,6 +111,19 @@ def _load_keys(labels_ptr, ids_ptr, index, ok):
     return tl.load(labels_ptr + index, mask=ok, other=0), tl.load(ids_ptr + index, mask=ok, other=-1)
 
 
+@triton.jit
+def _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i, start, num_a, num_b, dim,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The tile of columns start .. start + BLOCK_N: (S, positive, negative, columns, valid columns)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_b
+    label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
+    s = _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+    return s, positive, negative, cols, col_ok
+
+
 # ---- kernels --------------------------------------------------------------------------------
 @triton.jit
 def _mine_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, stats_ptr,
@@ -123,12 +136,9 @@ def _mine_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_pt
     minpos = tl.full((BLOCK_M,), INF, tl.float32)
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
     for start in range(0, num_ref, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < num_ref
-        label_j, id_j = _load_keys(ref_labels_ptr, ref_ids_ptr, cols, col_ok)
-        s = _similarity_tile(x_ptr, ref_ptr, rows, cols, num_x, num_ref, dim,
-                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+        s, positive, negative, _, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, label_i, id_i,
+                                                 start, num_x, num_ref, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                                 PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
     tl.store(stats_ptr + rows, minpos, mask=row_ok)
@@ -150,12 +160,9 @@ def _lse_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
     sum_n = tl.zeros((BLOCK_M,), tl.float32)
     for start in range(0, num_ref, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < num_ref
-        label_j, id_j = _load_keys(ref_labels_ptr, ref_ids_ptr, cols, col_ok)
-        s = _similarity_tile(x_ptr, ref_ptr, rows, cols, num_x, num_ref, dim,
-                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+        s, positive, negative, _, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, label_i, id_i,
+                                                 start, num_x, num_ref, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                                 PRECISION)
         positive, negative = _mined_sets(s, positive, negative, minpos[:, None], maxneg[:, None], epsilon, MINING)
         sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
         sum_n += tl.sum(tl.where(negative, tl.exp(beta * (s - base) - shift_n[:, None]), 0.0), axis=1)
@@ -199,12 +206,9 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start in range(0, num_b, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < num_b
-        label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
-        s = _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim,
-                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+        s, positive, negative, cols, col_ok = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i,
+                                                         start, num_a, num_b, dim, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                         UPCAST, PRECISION)
         h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if A_ANCHORS:
             p, n = _mined_sets(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], epsilon, MINING)

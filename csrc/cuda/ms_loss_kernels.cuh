@@ -193,6 +193,26 @@ __device__ __forceinline__ void load_keys(int64_t* col_label, int64_t* col_id, c
   }
 }
 
+// Calls body(S_ij, positive) for each pair of this thread's row i whose identities differ, tile
+// after tile over all rows j of b (the pair's columns of every tile, see pair_col).
+template <typename T, typename Body>
+__device__ __forceinline__ void for_each_pair(unsigned char* smem, int64_t* col_label, int64_t* col_id, const T* a,
+                                              int64_t num_a, int64_t row0, const T* b, const int64_t* b_labels,
+                                              const int64_t* b_ids, int64_t num_b, int64_t dim, int64_t label_i,
+                                              int64_t id_i, Body body) {
+  const float* s = reinterpret_cast<const float*>(smem + Plan<T>::kS);
+  for (int64_t col0 = 0; col0 < num_b; col0 += kCols) {
+    __syncthreads();
+    load_keys(col_label, col_id, b_labels, b_ids, col0, num_b);
+    similarity_tile<T>(smem, a, num_a, row0, b, num_b, col0, dim);
+#pragma unroll 4
+    for (int m = 0; m < kPairsPerThread; ++m) {
+      const int c = pair_col(m);
+      if (col0 + c < num_b && col_id[c] != id_i) body(s[pair_row() * Plan<T>::kSPitch + c], col_label[c] == label_i);
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
 forward_kernel(const T* __restrict__ x, const int64_t* __restrict__ labels, const int64_t* __restrict__ ids,
@@ -201,26 +221,17 @@ forward_kernel(const T* __restrict__ x, const int64_t* __restrict__ labels, cons
                float* __restrict__ loss, float* __restrict__ stats) {
   alignas(128) __shared__ unsigned char smem[Plan<T>::kForwardBytes];
   __shared__ int64_t col_label[kCols], col_id[kCols];
-  const float* s = reinterpret_cast<const float*>(smem + Plan<T>::kS);
   const int64_t row0 = int64_t(blockIdx.x) * kRows, row = row0 + pair_row();
   const bool row_ok = row < num_x;
   const int64_t label_i = row_ok ? labels[row] : 0, id_i = row_ok ? ids[row] : 0;
 
   // Similarity-P: the hardest positive and negative of each anchor.
   float minpos = ms_loss::infinity<float>(), maxneg = -ms_loss::infinity<float>();
-  for (int64_t col0 = 0; col0 < num_ref; col0 += kCols) {
-    __syncthreads();
-    load_keys(col_label, col_id, ref_labels, ref_ids, col0, num_ref);
-    similarity_tile<T>(smem, x, num_x, row0, ref, num_ref, col0, dim);
-#pragma unroll 4
-    for (int m = 0; m < kPairsPerThread; ++m) {
-      const int c = pair_col(m);
-      if (col0 + c >= num_ref || col_id[c] == id_i) continue;
-      const float v = s[pair_row() * Plan<T>::kSPitch + c];
-      if (col_label[c] == label_i) minpos = fminf(minpos, v);
-      else maxneg = fmaxf(maxneg, v);
-    }
-  }
+  for_each_pair<T>(smem, col_label, col_id, x, num_x, row0, ref, ref_labels, ref_ids, num_ref, dim, label_i, id_i,
+                   [&](float v, bool positive) {
+                     if (positive) minpos = fminf(minpos, v);
+                     else maxneg = fmaxf(maxneg, v);
+                   });
   minpos = combine_min(minpos);
   maxneg = combine_max(maxneg);
 
@@ -228,22 +239,15 @@ forward_kernel(const T* __restrict__ x, const int64_t* __restrict__ labels, cons
   const float shift_p = ms_loss::positive_shift(minpos, maxneg, p);
   const float shift_n = ms_loss::negative_shift(minpos, maxneg, p);
   float sum_p = 0.f, sum_n = 0.f;
-  for (int64_t col0 = 0; col0 < num_ref; col0 += kCols) {
-    __syncthreads();
-    load_keys(col_label, col_id, ref_labels, ref_ids, col0, num_ref);
-    similarity_tile<T>(smem, x, num_x, row0, ref, num_ref, col0, dim);
-#pragma unroll 4
-    for (int m = 0; m < kPairsPerThread; ++m) {
-      const int c = pair_col(m);
-      if (col0 + c >= num_ref || col_id[c] == id_i) continue;
-      const float v = s[pair_row() * Plan<T>::kSPitch + c];
-      if (col_label[c] == label_i) {
-        if (ms_loss::mined_positive(v, maxneg, p)) sum_p += ms_loss::ms_exp(ms_loss::positive_exponent(v, p) - shift_p);
-      } else if (ms_loss::mined_negative(v, minpos, p)) {
-        sum_n += ms_loss::ms_exp(ms_loss::negative_exponent(v, p) - shift_n);
-      }
-    }
-  }
+  for_each_pair<T>(smem, col_label, col_id, x, num_x, row0, ref, ref_labels, ref_ids, num_ref, dim, label_i, id_i,
+                   [&](float v, bool positive) {
+                     if (positive) {
+                       if (ms_loss::mined_positive(v, maxneg, p))
+                         sum_p += ms_loss::ms_exp(ms_loss::positive_exponent(v, p) - shift_p);
+                     } else if (ms_loss::mined_negative(v, minpos, p)) {
+                       sum_n += ms_loss::ms_exp(ms_loss::negative_exponent(v, p) - shift_n);
+                     }
+                   });
   sum_p = combine_sum(sum_p);
   sum_n = combine_sum(sum_n);
   if (row_ok && (threadIdx.x & 1) == 0) {
