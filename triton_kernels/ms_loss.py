@@ -91,13 +91,14 @@ def _pair_weights(s, positive, negative, lp, ln, alpha, beta, base):
 def _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T (rows of both are `dim` long)."""
+    """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T (rows of both are `dim` long; 64-bit
+    offsets: B * D may pass 2^31)."""
     s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, dim, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows[:, None] * dim + ks[None, :],
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :],
                     mask=(rows[:, None] < num_a) & (ks[None, :] < dim), other=0.0)
-        b_t = tl.load(b_ptr + cols[None, :] * dim + ks[:, None],
+        b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + ks[:, None],
                       mask=(cols[None, :] < num_b) & (ks[:, None] < dim), other=0.0)
         if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
             a = a.to(tl.float32)
@@ -218,13 +219,13 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                 stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
             p, n = _mined_sets(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], epsilon, MINING)
             h += scale_j[None, :] * _pair_weights(s, p, n, lp_j[None, :], ln_j[None, :], alpha, beta, base)
-        b = tl.load(b_ptr + cols[:, None] * dim + ds[None, :],
+        b = tl.load(b_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
         if UPCAST:
             b = b.to(tl.float32)
         acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
     acc = acc * tl.load(norm_ptr)
-    tl.store(out_ptr + rows[:, None] * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ds[None, :] < dim))
 
 
@@ -253,8 +254,9 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     16-bit: 8 warps (two Hopper warpgroups), 3 stages; the forward takes 128 x 64 tiles; the
     backward 64 rows with a float32 accumulator of up to 256 columns of D (beside it, 32 columns
     per step when D > 64: what fits Ampere's registers without spills). D beyond 256 is split over
-    program_id(1), and S is recomputed per split: the backward costs 1 + ceil(D / 256) GEMMs. float32 runs
-    IEEE FMA products (TF32 would miss 1e-5; 3xTF32 spills on sm_80) on small single-stage tiles.
+    program_id(1), and S is recomputed per split: the backward costs 1 + ceil(D / 256) GEMMs.
+    float32 runs IEEE FMA products (TF32 would miss 1e-5; 3xTF32 spills on sm_80) on small
+    single-stage tiles.
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 by the tests.
@@ -263,7 +265,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
     elif dtype == torch.float32:
         config = dict(BLOCK_M=64, BLOCK_N=32 if kind == "forward" else 16, BLOCK_K=32, BLOCK_D=64,
-                      num_warps=8, num_stages=1)
+                      num_warps=8 if kind == "forward" else 4, num_stages=1)
     elif kind == "forward":
         config = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
