@@ -115,6 +115,26 @@ def test_mixed_input_dtypes(target):
     check(target, kwargs, torch.float16, normalize=False)
 
 
+def test_int32_keys_and_non_contiguous_inputs(target):
+    kwargs = build_case("ref_ids", 97, 64, torch.float32, seed=9, labels_dtype=torch.int32)
+    kwargs["ref_embeddings"] = kwargs["ref_embeddings"].T.contiguous().T  # column-major
+    kwargs["ids"] = kwargs["ids"].to(torch.int32)
+    check(target, kwargs, torch.float32, "sum")
+
+
+def test_misaligned_rows_give_the_same_result(target):
+    # (called on the ops: the public function would hand them a normalised, fresh copy)
+    x, labels = make_batch(97, 64, 16, dtype=torch.float32)
+    x, labels = F.normalize(x, dim=1).to(target.device), labels.to(target.device)
+    shifted = torch.zeros(x.numel() + 1, device=target.device)[1:].view_as(x).copy_(x)  # 4 bytes off 16
+    args = (labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
+    loss, stats = target.forward(x, *args)
+    shifted_loss, shifted_stats = target.forward(shifted, *args)
+    assert torch.equal(loss, shifted_loss) and torch.equal(stats, shifted_stats)
+    grad = target.backward(torch.ones_like(loss), stats, x, *args)[0]
+    assert torch.equal(grad, target.backward(torch.ones_like(loss), stats, shifted, *args)[0])
+
+
 @pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
 def test_options(target, case, skip):

@@ -410,10 +410,14 @@ struct Operands {
   bool self_case;
 };
 
+// `t` in `dtype`, contiguous, rows zero-padded to a multiple of kRowAlign elements, and starting on
+// a 16-byte boundary (a view into a larger tensor may not): what the vector loads need.
 at::Tensor aligned_rows(const at::Tensor& t, at::ScalarType dtype) {
   const at::Tensor converted = t.to(dtype);
   const int64_t pad = (kRowAlign - t.size(1) % kRowAlign) % kRowAlign;
-  return pad ? at::constant_pad_nd(converted, {0, pad}) : converted.contiguous();
+  if (pad) return at::constant_pad_nd(converted, {0, pad});
+  const at::Tensor rows = converted.contiguous();
+  return reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 ? rows : rows.clone();
 }
 
 at::Tensor int64_keys(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }

@@ -13,8 +13,19 @@
 
 namespace ms_loss_cuda_kernels {
 
+// Embedding rows are read as 16-byte vectors: on a GPU a misaligned row pointer is a fault.
+template <typename Arg>
+void check_alignment(const Arg& arg) {
+  if constexpr (std::is_pointer_v<Arg>) {
+    using T = std::remove_cv_t<std::remove_pointer_t<Arg>>;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>)
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(arg) % 16 == 0, "emulated launch: misaligned embedding rows");
+  }
+}
+
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, Args... args) {
+  (check_alignment(args), ...);
   for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) {
       std::barrier<> barrier(kThreads);
