@@ -21,7 +21,10 @@ def want_cuda():
         return False
     has_toolkit = cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
     if os.environ.get("FORCE_CUDA") == "1":
-        return has_toolkit
+        if not has_toolkit:  # an explicit request that cannot be met is an error, not a CPU-only build
+            raise RuntimeError("FORCE_CUDA=1, but torch.utils.cpp_extension finds no CUDA toolkit (CUDA_HOME / nvcc; "
+                               "a CPU build of torch never has one)")
+        return True
     import torch
 
     return has_toolkit and torch.version.cuda is not None
