@@ -101,8 +101,9 @@ def test_sizes(target, batch, dim, mining):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mining", [True, False])
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
-def test_16_bit_inputs(target, case, mining, dtype):
-    kwargs = build_case(case, 97, 130, torch.float64, seed=5)
+@pytest.mark.parametrize("batch,dim", [(97, 130), (37, 300)])  # D = 300: several column blocks of D
+def test_16_bit_inputs(target, batch, dim, case, mining, dtype):
+    kwargs = build_case(case, batch, dim, torch.float64, seed=5)
     for key in ("embeddings", "ref_embeddings"):  # unit rows, exactly representable in `dtype`
         if key in kwargs:
             kwargs[key] = F.normalize(kwargs[key], dim=1).to(dtype)

@@ -38,19 +38,24 @@ constexpr int kThreads = 128;   // 4 warps
 constexpr int kRowAlign = 32;   // rows are zero-padded to a multiple of this many elements
 
 // Shared-memory plan per input type (WMMA needs 32-byte aligned tile pointers: every offset and
-// 16-row step below is a multiple of 32 bytes). Tensor cores (16-bit): a/b tiles [64][K + pad] row-major;
-// float32 FMA: a/b tiles transposed, [K][64 + pad]. Then the float similarity tile (the 16-bit
-// pair weights overwrite it), the tile of b's rows for the gradient product, and (16-bit) a float
-// staging area for the output that reuses everything after the last tile.
+// 16-row step below is a multiple of 32 bytes). Tensor cores (16-bit): a/b tiles [64][K + pad]
+// row-major, which the 16-bit pair weights [64][64 + pad] reuse once a similarity tile is done;
+// float32 FMA: a/b tiles transposed, [K][64 + pad], and the weights overwrite the similarities.
+// Then the float similarity tile, the tile of b's rows for the gradient product, and (16-bit) a
+// float staging area for the output that reuses everything after the last tile.
 template <typename T>
 struct Plan {
   static constexpr bool kTensorCores = !std::is_same<T, float>::value;
   static constexpr int K = kTensorCores ? 32 : 16;    // depth of one similarity step
-  static constexpr int D = kTensorCores ? 128 : 64;   // gradient columns per block (grid y)
+  static constexpr int D = kTensorCores ? 128 : 64;   // columns of one tile of b's rows (the gradient product)
+  // Such tiles per block, whose D columns split over grid y (S is recomputed per split): two for
+  // float16; bfloat16 keeps one, as two spill a few bytes (its accumulators take 128 registers).
+  static constexpr int kSlices = std::is_same<T, __half>::value ? 2 : 1;
+  static constexpr int kBlockD = kSlices * D;
   static constexpr int kPad = 16 / int(sizeof(T));    // 16 bytes: aligned rows, fewer bank conflicts
   static constexpr int kTileElems = kTensorCores ? kRows * (K + kPad) : K * (kRows + kPad);
   static constexpr int kSPitch = kCols + 4;           // floats
-  static constexpr int kHPitch = kCols + kPad;        // 16-bit weights (tensor cores only)
+  static constexpr int kHPitch = kCols + kPad;        // 16-bit weights (tensor cores only), over a and b
   static constexpr int kXPitch = D + kPad;
   static constexpr int kStagePitch = D + 4;
   static constexpr int kA = 0;
@@ -62,6 +67,7 @@ struct Plan {
   static constexpr int kStageBytes = kTensorCores ? kRows * kStagePitch * 4 : 0;
   static constexpr int kBackwardBytes = kEnd > kStageBytes ? kEnd : kStageBytes;
   static_assert(kB % 32 == 0 && kS % 32 == 0 && kX % 32 == 0, "tiles must start 32-byte aligned");
+  static_assert(!kTensorCores || kRows * kHPitch * int(sizeof(T)) <= kS, "the weights must fit over a and b");
   static_assert(kBackwardBytes + kCols * 40 <= 48 * 1024, "static shared memory is limited to 48 KiB");
 };
 
@@ -284,7 +290,7 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
   __shared__ float col_scale[kColAnchors ? kCols : 1];
   float* s = reinterpret_cast<float*>(smem + P::kS);
   T* tx = reinterpret_cast<T*>(smem + P::kX);
-  const int64_t row0 = int64_t(blockIdx.x) * kRows, d0 = int64_t(blockIdx.y) * P::D;
+  const int64_t row0 = int64_t(blockIdx.x) * kRows, d0 = int64_t(blockIdx.y) * P::kBlockD;
   const int r = pair_row();
   const int64_t row = row0 + r;
   const bool row_ok = row < num_a;
@@ -294,14 +300,17 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
   if (kRowAnchors && row_ok) anchor_terms(stats, scale, num_anchors, row, p, anchor, c_i);
 
   const int warp = threadIdx.x / 32, wr = (warp / 2) * 32, wc = (warp % 2) * (P::D / 2);
-  constexpr int kFragCols = P::D / 32;  // 16-wide accumulator fragments per warp and row band
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[P::kTensorCores ? 2 : 1][P::kTensorCores ? kFragCols : 1];
+  constexpr int kFragCols = P::D / 32;  // 16-wide accumulator fragments per warp, row band and slice
+  constexpr int kAccSlices = P::kTensorCores ? P::kSlices : 1, kAccRows = P::kTensorCores ? 2 : 1;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kAccSlices][kAccRows][P::kTensorCores ? kFragCols : 1];
   float fma_acc[P::kTensorCores ? 1 : 8][P::kTensorCores ? 1 : 4] = {};
   if constexpr (P::kTensorCores) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int slice = 0; slice < P::kSlices; ++slice)
 #pragma unroll
-      for (int j = 0; j < kFragCols; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < kFragCols; ++j) wmma::fill_fragment(acc[slice][i][j], 0.0f);
   }
 
   for (int64_t col0 = 0; col0 < num_b; col0 += kCols) {
@@ -316,9 +325,10 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
     }
     similarity_tile<T>(smem, a, num_a, row0, b, num_b, col0, dim);
 
-    // Pair weights of this thread's pairs, from the anchor at either end.
-    float h[kPairsPerThread];
-#pragma unroll
+    // Pair weights of this thread's pairs, from the anchor at either end: 16-bit into their own
+    // tile over the a/b tiles (free once the similarity tile is done), float32 in place of S.
+    T* th = reinterpret_cast<T*>(smem + P::kA);
+#pragma unroll 4
     for (int m = 0; m < kPairsPerThread; ++m) {
       const int c = pair_col(m);
       const float v = s[r * P::kSPitch + c];
@@ -327,31 +337,31 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
       float w = 0.f;
       if (kRowAnchors) w += c_i * ms_loss::pair_weight(v, positive, kept, anchor, p);
       if (kColAnchors) w += col_scale[c] * ms_loss::pair_weight(v, positive, kept, col_stats[c], p);
-      h[m] = w;
+      if constexpr (P::kTensorCores) th[r * P::kHPitch + c] = from_float<T>(w);
+      else s[r * P::kSPitch + c] = w;
     }
-    load_tile<T, kCols, P::D>(tx, P::kXPitch, b, dim, col0, num_b, d0);
     if constexpr (P::kTensorCores) {
-      __syncthreads();  // the 16-bit weights overwrite the similarities
-      T* th = reinterpret_cast<T*>(smem + P::kS);
 #pragma unroll
-      for (int m = 0; m < kPairsPerThread; ++m) th[r * P::kHPitch + pair_col(m)] = from_float<T>(h[m]);
-      __syncthreads();
+      for (int slice = 0; slice < P::kSlices; ++slice) {  // one tile of b's rows at a time
+        if (slice > 0) __syncthreads();                    // everyone is done with the previous one
+        load_tile<T, kCols, P::D>(tx, P::kXPitch, b, dim, col0, num_b, d0 + slice * P::D);
+        __syncthreads();
 #pragma unroll
-      for (int kk = 0; kk < kCols; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fh[2];
+        for (int kk = 0; kk < kCols; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fh[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fh[i], th + (wr + 16 * i) * P::kHPitch + kk, P::kHPitch);
+          for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fh[i], th + (wr + 16 * i) * P::kHPitch + kk, P::kHPitch);
 #pragma unroll
-        for (int j = 0; j < kFragCols; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fx;
-          wmma::load_matrix_sync(fx, tx + kk * P::kXPitch + wc + 16 * j, P::kXPitch);
+          for (int j = 0; j < kFragCols; ++j) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fx;
+            wmma::load_matrix_sync(fx, tx + kk * P::kXPitch + wc + 16 * j, P::kXPitch);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][j], fh[i], fx, acc[i][j]);
+            for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[slice][i][j], fh[i], fx, acc[slice][i][j]);
+          }
         }
       }
     } else {
-#pragma unroll
-      for (int m = 0; m < kPairsPerThread; ++m) s[r * P::kSPitch + pair_col(m)] = h[m];  // in place
+      load_tile<T, kCols, P::D>(tx, P::kXPitch, b, dim, col0, num_b, d0);
       __syncthreads();
       const int tr = threadIdx.x / 16, tc = threadIdx.x % 16;
 #pragma unroll 4
@@ -371,21 +381,26 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
   // Epilogue: undo the weights' normalisation, convert, store the rows and columns that exist.
   const float scale_back = *norm;
   if constexpr (P::kTensorCores) {
-    __syncthreads();
     float* stage = reinterpret_cast<float*>(smem);
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int slice = 0; slice < P::kSlices; ++slice) {
+      __syncthreads();
 #pragma unroll
-      for (int j = 0; j < kFragCols; ++j) {
+      for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int e = 0; e < acc[i][j].num_elements; ++e) acc[i][j].x[e] *= scale_back;
-        wmma::store_matrix_sync(stage + (wr + 16 * i) * P::kStagePitch + wc + 16 * j, acc[i][j], P::kStagePitch,
-                                wmma::mem_row_major);
+        for (int j = 0; j < kFragCols; ++j) {
+#pragma unroll
+          for (int e = 0; e < acc[slice][i][j].num_elements; ++e) acc[slice][i][j].x[e] *= scale_back;
+          wmma::store_matrix_sync(stage + (wr + 16 * i) * P::kStagePitch + wc + 16 * j, acc[slice][i][j],
+                                  P::kStagePitch, wmma::mem_row_major);
+        }
+      __syncthreads();
+      const int64_t c0 = d0 + slice * P::D;
+      for (int e = threadIdx.x; e < kRows * P::D; e += kThreads) {
+        const int rr = e / P::D, cc = e % P::D;
+        if (row0 + rr < num_a && c0 + cc < dim)
+          out[(row0 + rr) * dim + c0 + cc] = from_float<T>(stage[rr * P::kStagePitch + cc]);
       }
-    __syncthreads();
-    for (int e = threadIdx.x; e < kRows * P::D; e += kThreads) {
-      const int rr = e / P::D, cc = e % P::D;
-      if (row0 + rr < num_a && d0 + cc < dim) out[(row0 + rr) * dim + d0 + cc] = from_float<T>(stage[rr * P::kStagePitch + cc]);
     }
   } else {
     const int tr = threadIdx.x / 16, tc = threadIdx.x % 16;
@@ -507,7 +522,7 @@ void launch_backward(const at::Tensor& a, const at::Tensor& a_labels, const at::
                      const at::Tensor& b_labels, const at::Tensor& b_ids, const at::Tensor& stats,
                      const at::Tensor& scale, const at::Tensor& norm, const Params<float>& p, at::Tensor& out) {
   const int64_t rows = a.size(0), dim = a.size(1);
-  const dim3 grid(unsigned((rows + kRows - 1) / kRows), unsigned((dim + Plan<T>::D - 1) / Plan<T>::D));
+  const dim3 grid(unsigned((rows + kRows - 1) / kRows), unsigned((dim + Plan<T>::kBlockD - 1) / Plan<T>::kBlockD));
   if (grid.x == 0 || grid.y == 0) return;
   launch(backward_kernel<T, kRowAnchors, kColAnchors>, grid,
       rows_ptr<T>(a), a_labels.data_ptr<int64_t>(), a_ids.data_ptr<int64_t>(), rows, rows_ptr<T>(b),
