@@ -27,7 +27,6 @@
 
 namespace ms_loss_cuda_kernels {
 
-
 using ms_loss::AnchorStats;
 using ms_loss::Params;
 namespace wmma = nvcuda::wmma;
@@ -49,7 +48,7 @@ struct Plan {
   static constexpr int K = kTensorCores ? 32 : 16;    // depth of one similarity step
   static constexpr int D = kTensorCores ? 128 : 64;   // columns of one tile of b's rows (the gradient product)
   // Such tiles per block, whose D columns split over grid y (S is recomputed per split): two for
-  // float16; bfloat16 keeps one, as two spill a few bytes (its accumulators take 128 registers).
+  // float16 (128 accumulator registers a thread); bfloat16 keeps one, as two spill a few bytes.
   static constexpr int kSlices = std::is_same<T, __half>::value ? 2 : 1;
   static constexpr int kBlockD = kSlices * D;
   static constexpr int kPad = 16 / int(sizeof(T));    // 16 bytes: aligned rows, fewer bank conflicts
