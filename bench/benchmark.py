@@ -49,8 +49,6 @@ def make_inputs(batch, dim, seed=0):
 
 
 def step_function(provider, labels):
-    import torch
-
     if provider == "floor":
         return lambda x: (x @ x.T).sum().backward()
     if provider == "matmul4":
