@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ms_inputs.h"
 #include "ms_math.h"
 
 namespace {
@@ -160,41 +161,19 @@ at::ScalarType compute_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-at::Tensor int64_keys(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
-
 Inputs prepare(const at::Tensor& x, const at::Tensor& labels, const std::optional<at::Tensor>& ids,
                const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& ref_labels,
                const std::optional<at::Tensor>& ref_ids) {
-  TORCH_CHECK(x.dim() == 2 && labels.dim() == 1 && labels.size(0) == x.size(0),
-              "ms_loss: expected x [B, D] and labels [B], got ", x.sizes(), " and ", labels.sizes());
+  const ms_loss::Keys keys = ms_loss::checked_keys("ms_loss", x, labels, ids, ref, ref_labels, ref_ids);
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "ms_loss: x must be floating, got ", x.scalar_type());
-  TORCH_CHECK(ref.has_value() == ref_labels.has_value(), "ms_loss: ref and ref_labels go together");
   Inputs in;
   in.self_case = !ref.has_value();
   in.x = x.to(compute_dtype(x)).contiguous();
-  in.labels = int64_keys(labels);
-  const int64_t B = x.size(0);
-  const auto key_options = in.labels.options();
-  if (in.self_case) {
-    TORCH_CHECK(!ref_ids.has_value(), "ms_loss: ref_ids needs a reference set");
-    in.ref = in.x;
-    in.ref_labels = in.labels;
-    in.ids = ids.has_value() ? int64_keys(*ids) : at::arange(B, key_options);
-    in.ref_ids = in.ids;
-  } else {
-    TORCH_CHECK(ref->dim() == 2 && ref->size(1) == x.size(1) && ref_labels->dim() == 1 &&
-                    ref_labels->size(0) == ref->size(0),
-                "ms_loss: expected ref [R, ", x.size(1), "] and ref_labels [R], got ", ref->sizes(),
-                " and ", ref_labels->sizes());
-    TORCH_CHECK(ids.has_value() == ref_ids.has_value(), "ms_loss: ids and ref_ids go together");
-    in.ref = ref->to(in.x.scalar_type()).contiguous();
-    in.ref_labels = int64_keys(*ref_labels);
-    const int64_t R = ref->size(0);
-    in.ids = ids.has_value() ? int64_keys(*ids) : at::arange(B, key_options);
-    in.ref_ids = ref_ids.has_value() ? int64_keys(*ref_ids) : at::arange(B, B + R, key_options);
-  }
-  TORCH_CHECK(in.ids.dim() == 1 && in.ids.size(0) == B && in.ref_ids.size(0) == in.ref.size(0),
-              "ms_loss: identities must have one entry per row");
+  in.ref = in.self_case ? in.x : ref->to(in.x.scalar_type()).contiguous();
+  in.labels = keys.labels;
+  in.ids = keys.ids;
+  in.ref_labels = keys.ref_labels;
+  in.ref_ids = keys.ref_ids;
   return in;
 }
 

@@ -23,6 +23,7 @@
 
 #include <type_traits>
 
+#include "../ms_inputs.h"
 #include "../ms_math.h"
 
 namespace ms_loss_cuda_kernels {
@@ -434,46 +435,22 @@ at::Tensor aligned_rows(const at::Tensor& t, at::ScalarType dtype) {
   return reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 ? rows : rows.clone();
 }
 
-at::Tensor int64_keys(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
-
 Operands prepare(const at::Tensor& x, const at::Tensor& labels, const std::optional<at::Tensor>& ids,
                  const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& ref_labels,
                  const std::optional<at::Tensor>& ref_ids) {
-  TORCH_CHECK(x.dim() == 2 && labels.dim() == 1 && labels.size(0) == x.size(0),
-              "ms_loss (CUDA): expected x [B, D] and labels [B], got ", x.sizes(), " and ", labels.sizes());
-  TORCH_CHECK(ref.has_value() == ref_labels.has_value(), "ms_loss (CUDA): ref and ref_labels go together");
-  at::ScalarType dtype = x.scalar_type();
-  if (ref.has_value()) {
-    TORCH_CHECK(ref->dim() == 2 && ref->size(1) == x.size(1) && ref_labels->dim() == 1 &&
-                    ref_labels->size(0) == ref->size(0),
-                "ms_loss (CUDA): expected ref [R, ", x.size(1), "] and ref_labels [R], got ", ref->sizes(), " and ",
-                ref_labels->sizes());
-    TORCH_CHECK(ids.has_value() == ref_ids.has_value(), "ms_loss (CUDA): ids and ref_ids go together");
-    dtype = at::promote_types(dtype, ref->scalar_type());
-  } else {
-    TORCH_CHECK(!ref_ids.has_value(), "ms_loss (CUDA): ref_ids needs a reference set");
-  }
+  const ms_loss::Keys keys = ms_loss::checked_keys("ms_loss (CUDA)", x, labels, ids, ref, ref_labels, ref_ids);
+  const at::ScalarType dtype = ref.has_value() ? at::promote_types(x.scalar_type(), ref->scalar_type()) : x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
               "ms_loss (CUDA): embeddings must be float32, float16 or bfloat16, got ", dtype,
               " (use the cpu backend for float64)");
-  const int64_t B = x.size(0);
   Operands in;
   in.self_case = !ref.has_value();
   in.a = aligned_rows(x, dtype);
-  in.a_labels = int64_keys(labels);
-  in.a_ids = ids.has_value() ? int64_keys(*ids) : at::arange(B, in.a_labels.options());
-  if (in.self_case) {
-    in.b = in.a;
-    in.b_labels = in.a_labels;
-    in.b_ids = in.a_ids;
-  } else {
-    const int64_t R = ref->size(0);
-    in.b = aligned_rows(*ref, dtype);
-    in.b_labels = int64_keys(*ref_labels);
-    in.b_ids = ref_ids.has_value() ? int64_keys(*ref_ids) : at::arange(B, B + R, in.a_labels.options());
-  }
-  TORCH_CHECK(in.a_ids.dim() == 1 && in.a_ids.size(0) == B && in.b_ids.dim() == 1 && in.b_ids.size(0) == in.b.size(0),
-              "ms_loss (CUDA): identities must have one entry per row");
+  in.b = in.self_case ? in.a : aligned_rows(*ref, dtype);
+  in.a_labels = keys.labels;
+  in.a_ids = keys.ids;
+  in.b_labels = keys.ref_labels;
+  in.b_ids = keys.ref_ids;
   return in;
 }
 
