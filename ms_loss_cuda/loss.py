@@ -28,15 +28,12 @@ def _check_backend_name(backend):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
-
-
 def _unavailable_reason(backend, device, dtype=None):
     """Why `backend` (a name from BACKENDS other than "auto") cannot run on `device` with
     embeddings of `dtype` (None: any), or None."""
     if backend == "reference":
         return None
-    if backend in ("triton", "cuda") and dtype is not None and dtype not in GPU_DTYPES:
+    if backend in ("triton", "cuda") and dtype is not None and dtype not in ops.GPU_DTYPES:
         return f"it takes float32, float16 or bfloat16 embeddings, got {dtype}"
     if backend in ("cpu", "cuda") and ops.LOAD_ERROR is not None:
         return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"

@@ -16,6 +16,7 @@ except ImportError as error:  # the package still works through the reference ba
     LOAD_ERROR = error
 
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
 
 
 def _compute_dtype(x):

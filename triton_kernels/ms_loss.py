@@ -27,7 +27,6 @@ from .. import ops
 
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INF = tl.constexpr(float("inf"))  # a global a jit function may read
 
 
@@ -312,7 +311,7 @@ def _split(config):
 
 def _check_dtypes(*tensors):
     for t in tensors:
-        if t is not None and t.dtype not in DTYPES:
+        if t is not None and t.dtype not in ops.GPU_DTYPES:
             raise TypeError(f"the triton backend takes float32, float16 or bfloat16 embeddings, got {t.dtype} "
                             "(use backend='cpu' or 'reference' for float64)")
 
