@@ -1,11 +1,12 @@
-# The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark).
+# The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark;
+# `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a machine with a GPU).
 # Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo bench build venv clean
+.PHONY: test demo bench build venv clean gpu-check
 
 # A torch that $(PYTHON) already has (a GPU user's own build) is reused through the system
 # site-packages; otherwise the venv gets the pinned CPU build.
@@ -35,6 +36,10 @@ demo: build
 
 bench: build
 	$(PY) bench/benchmark.py --sizes 1024 4096 8192 16384 65536 --out bench/results/cpu
+
+# Builds into the python3 on PATH (a CUDA build of torch, triton and nvcc), not into .venv.
+gpu-check:
+	PYTHON=$(PYTHON) bench/gpu_check.sh $(or $(DIR),bench/results/gpu/latest)
 
 clean:
 	rm -rf build *.egg-info ms_loss_cuda/*.so $(VENV)

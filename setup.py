@@ -2,7 +2,8 @@
 and nvcc is found, the CUDA kernels (csrc/cuda/*.cu).
 
 Environment: FORCE_CUDA=1 builds the CUDA kernels even without a visible GPU (nvcc needed),
-FORCE_ONLY_CPU=1 never builds them, TORCH_CUDA_ARCH_LIST picks the GPU targets (default 8.0;9.0).
+FORCE_ONLY_CPU=1 never builds them, TORCH_CUDA_ARCH_LIST picks the GPU targets (default 8.0;9.0+PTX: machine code for
+A100 and H100, and PTX that the driver compiles for any newer GPU).
 """
 import glob
 import os
@@ -31,7 +32,7 @@ def want_cuda():
 
 
 if want_cuda():
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")  # +PTX: newer GPUs JIT-compile it
     print(f"ms_loss_cuda: building CPU + CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}")
     extension = cpp_extension.CUDAExtension(
         "ms_loss_cuda._C",

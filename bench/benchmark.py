@@ -4,16 +4,22 @@ Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact me
 `matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
 four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
 `cuda`, and `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
-Every (provider, B) runs in a fresh process, so its peak memory is its own: on CPU the process's
-high-water mark above the inputs (reset through /proc/self/clear_refs), on CUDA
-torch.cuda.max_memory_allocated above the inputs. CPU steps are timed with perf_counter; on CUDA
-`triton` is timed with triton.testing.do_bench and every other provider with CUDA events (the
-best of --repeats runs in both), and TFLOP/s counts 4 * 2 * B^2 * D flops per step. A provider
-whose predicted peak (quadratic from its last size) would not fit in the available memory, or
-whose predicted time is over --max-seconds, is recorded as skipped.
+The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
+noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
+over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),
+typical (2.0, about 12%), hard (3.0, about 75%).
+On CPU every (provider, B) runs in a fresh process, so its peak memory is its own: the process's
+high-water mark above the inputs (reset through /proc/self/clear_refs), timed with perf_counter,
+best of --repeats. On CUDA everything runs in this process: peak memory is
+torch.cuda.max_memory_allocated above the inputs, time the median of --repeats runs between CUDA
+events after a warm-up (which also compiles), and TFLOP/s counts 4 GEMM-equivalents (4 * 2 * B * R *
+D flops) per step. --bank R1 R2 .. adds the memory-bank shape: --bank-batch anchors against R
+reference rows (gradient to the anchors only, as a memory bank takes none). A provider whose
+predicted peak (linear in B * R from its last size) would not fit in the free memory, or whose
+predicted time is over --max-seconds, is recorded as skipped.
 
     python bench/benchmark.py --sizes 1024 4096 --out bench/results/demo
-    python bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 \
+    python bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 --bank 262144 \
         --providers matmul4 triton cuda pml --out bench/results/gpu
 write results.json, results.csv and results.png there and print a table.
 """
@@ -29,80 +35,84 @@ import time
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", "triton", "cuda", "pml")
 FUSED = ("cpu", "triton", "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"), "cuda": ("matmul4", "reference", "triton", "cuda", "pml")}
+HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
+PER_CLASS = 4
 
 
-# ---- one measurement, in its own process --------------------------------------------------------
+# ---- data ---------------------------------------------------------------------------------------
+def make_inputs(batch, dim, noise=HARDNESS["typical"], ref_rows=None, device="cpu", seed=0):
+    """SOP-like P x M data, float32: a batch of `batch` rows (PER_CLASS per class) and, when
+    `ref_rows` is given, a memory bank of that many rows of the same classes (and more)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = batch if ref_rows is None else max(batch, ref_rows)
+    centres = torch.randn(rows // PER_CLASS + 1, dim, generator=gen, device=device)
+
+    def draw(n):
+        labels = torch.arange(n, device=device) // PER_CLASS
+        return centres[labels] + noise * torch.randn(n, dim, generator=gen, device=device), labels
+
+    x, labels = draw(batch)
+    ref, ref_labels = draw(ref_rows) if ref_rows is not None else (None, None)
+    return x, labels, ref, ref_labels
+
+
+def mined_fraction(x, labels, ref=None, ref_labels=None, anchors=256, epsilon=0.1):
+    """Kept pairs over all pairs of distinct identity after the MS miner, on the first anchors."""
+    import torch
+    import torch.nn.functional as F
+
+    from ms_loss_cuda import reference
+
+    n = min(anchors, x.shape[0])
+    a = F.normalize(x[:n].float(), dim=1)
+    b = F.normalize((x if ref is None else ref).float(), dim=1)
+    s = a @ b.T
+    rows = torch.arange(n, device=x.device)
+    ids, ref_ids = (rows, torch.arange(b.shape[0], device=x.device)) if ref is None else (None, None)
+    pos, neg = reference.pair_masks(labels[:n], labels if ref is None else ref_labels, ids, ref_ids)
+    minpos = torch.where(pos, s, float("inf")).amin(dim=1, keepdim=True)
+    maxneg = torch.where(neg, s, float("-inf")).amax(dim=1, keepdim=True)
+    kept = (pos & (s - epsilon < maxneg)) | (neg & (s + epsilon > minpos))
+    return kept.sum().item() / max((pos | neg).sum().item(), 1)
+
+
+def step_function(provider, labels, ref=None, ref_labels=None):
+    """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`)."""
+    if provider == "floor":
+        return lambda x: (x @ (x if ref is None else ref).T).sum().backward()
+    if provider == "matmul4":
+        def four_products(x):
+            for _ in range(4):
+                x.detach() @ (x if ref is None else ref).detach().T  # each freed before the next
+        return four_products
+    if provider == "pml":
+        from pytorch_metric_learning import losses, miners
+
+        loss, miner = losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner()
+        if ref is None:
+            return lambda x: loss(x, labels, miner(x, labels)).backward()
+        return lambda x: loss(x, labels, miner(x, labels, ref, ref_labels), ref, ref_labels).backward()
+    import ms_loss_cuda
+
+    return lambda x: ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
+                                                        backend=provider).backward()
+
+
+# ---- one measurement ----------------------------------------------------------------------------
 def _rss_kib(field):
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field))
 
 
-def make_inputs(batch, dim, seed=0):
-    """SOP-like batch: 4 samples per class around class centres, float32."""
+def measure_cpu(provider, batch, args):
+    """Run in a fresh process (see run_worker): peak resident memory above the inputs."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
-    labels = torch.arange(batch) // 4
-    centres = torch.randn(batch // 4 + 1, dim, generator=gen)
-    x = centres[labels] + 1.2 * torch.randn(batch, dim, generator=gen)
-    return x, labels
-
-
-def step_function(provider, labels):
-    if provider == "floor":
-        return lambda x: (x @ x.T).sum().backward()
-    if provider == "matmul4":
-        return lambda x: [x.detach() @ x.detach().T for _ in range(4)]
-    if provider == "pml":
-        from pytorch_metric_learning import losses, miners
-
-        loss, miner = losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner()
-        return lambda x: loss(x, labels, miner(x, labels)).backward()
-    import ms_loss_cuda
-
-    return lambda x: ms_loss_cuda.multi_similarity_loss(x, labels, backend=provider).backward()
-
-
-def measure_cuda(provider, step, x, repeats):
-    import torch
-
-    def run():
-        x.grad = None
-        step(x)
-
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    run()  # also the warm-up
-    torch.cuda.synchronize()
-    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-    if provider == "triton":
-        from triton.testing import do_bench
-
-        seconds = do_bench(run, return_mode="min") / 1e3
-    else:
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        seconds = min(times)
-    return {"seconds": seconds, "runs": repeats, "peak_extra_mib": peak_mib, "device_name": torch.cuda.get_device_name()}
-
-
-def measure(provider, batch, dim, repeats, max_seconds, device="cpu", dtype="float32"):
-    import torch
-
-    x0, labels = make_inputs(batch, dim)
-    x0, labels = x0.to(device, getattr(torch, dtype)), labels.to(device)
+    x0, labels, _, _ = make_inputs(batch, args.dim, HARDNESS[args.hardness])
+    x = x0.to(getattr(torch, args.dtype)).requires_grad_()
     step = step_function(provider, labels)
-    x = x0.clone().requires_grad_()
-    if device == "cuda":
-        result = measure_cuda(provider, step, x, repeats)
-        return dict(result, tflops=4 * 2 * batch * batch * dim / result["seconds"] / 1e12)
     base_kib = _rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # reset the high-water mark
@@ -111,7 +121,7 @@ def measure(provider, batch, dim, repeats, max_seconds, device="cpu", dtype="flo
     first = time.perf_counter() - start
     peak_mib = (_rss_kib("VmHWM") - base_kib) / 1024
     times = []
-    while len(times) < repeats and sum(times) + first < max_seconds:
+    while len(times) < args.repeats and sum(times) + first < args.max_seconds:
         x.grad = None
         start = time.perf_counter()
         step(x)
@@ -120,12 +130,48 @@ def measure(provider, batch, dim, repeats, max_seconds, device="cpu", dtype="flo
             "threads": torch.get_num_threads()}
 
 
+def measure_cuda(provider, inputs, args):
+    """In this process: median of CUDA-event timings after a warm-up, peak allocation above the inputs."""
+    import statistics
+
+    import torch
+
+    x0, labels, ref, ref_labels = inputs
+    x = x0.detach().clone().requires_grad_()
+    step = step_function(provider, labels, ref, ref_labels)
+
+    def run():
+        x.grad = None
+        step(x)
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    run()  # the warm-up: compiles, and measures the peak
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    times = []
+    while len(times) < args.repeats and sum(times) < args.max_seconds:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    seconds = statistics.median(times)
+    return {"seconds": seconds, "runs": len(times), "first_seconds": first, "peak_extra_mib": peak_mib,
+            "spread": (max(times) - min(times)) / seconds}
+
+
 # ---- the driver ---------------------------------------------------------------------------------
 def machine_info():
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "platform": platform.platform(), "cores": os.cpu_count()}
+            "platform": platform.platform(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     try:
         import pytorch_metric_learning
 
@@ -137,6 +183,11 @@ def machine_info():
     info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     if torch.cuda.is_available():
         info["gpu"], info["cuda"] = torch.cuda.get_device_name(), torch.version.cuda
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
     try:
         import triton
 
@@ -158,7 +209,7 @@ def available_mib(device="cpu"):
 def run_worker(provider, batch, args):
     command = [sys.executable, __file__, "--worker", provider, str(batch), "--dim", str(args.dim),
                "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
-               "--device", args.device, "--dtype", args.dtype]
+               "--dtype", args.dtype, "--hardness", args.hardness]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         killed = done.returncode in (-9, 137)
@@ -166,11 +217,15 @@ def run_worker(provider, batch, args):
     return dict(json.loads(done.stdout.strip().splitlines()[-1]), status="ok")
 
 
-def predicted_skip(previous, batch, args):
-    """Why this size is skipped, from the provider's last measured size (quadratic in B), or None."""
+def pairs(row):
+    return row["batch"] * (row["ref"] or row["batch"])
+
+
+def predicted_skip(previous, row, args):
+    """Why this shape is skipped, from the provider's last measured shape (linear in B * R), or None."""
     if previous is None:
         return None
-    grow = (batch / previous["batch"]) ** 2
+    grow = pairs(row) / pairs(previous)
     need_mib = previous["peak_extra_mib"] * grow
     if need_mib > 0.8 * available_mib(args.device):
         return f"out of memory (needs ~{need_mib / 1024:.0f} GiB)"
@@ -184,31 +239,39 @@ def write_results(rows, info, out):
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"machine": info, "results": rows}, f, indent=1)
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["provider", "batch", "dim", "device", "dtype", "status", "seconds",
-                                               "tflops", "peak_extra_mib", "runs", "threads"], extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=["provider", "batch", "ref", "dim", "device", "dtype", "hardness",
+                                               "mined", "status", "seconds", "tflops", "peak_extra_mib", "runs",
+                                               "threads"], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
 
-def table(rows, sizes, providers):
-    """Markdown table: time, TFLOP/s (CUDA) and peak extra memory per provider and B, then each
+def shape_name(batch, ref):
+    return f"{batch}" if ref is None else f"{batch} x {ref}"
+
+
+def table(rows, shapes, providers):
+    """Markdown table: time, TFLOP/s (CUDA) and peak extra memory per provider and shape, then each
     fused backend against the yardstick (floor on CPU, matmul4 on CUDA) and pml against it."""
-    by = {(r["provider"], r["batch"]): r for r in rows}
+    by = {(r["provider"], r["batch"], r["ref"]): r for r in rows}
 
     def cell(r):
         if r.get("status") != "ok":
             return r.get("status", "-")
-        rate = f" / {r['tflops']:.1f} TFLOP/s" if "tflops" in r else ""
+        rate = f" / {r['tflops']:.0f} TFLOP/s" if "tflops" in r else ""
         return f"{r['seconds']:.3g} s{rate} / {r['peak_extra_mib']:.0f} MiB"
 
     base = "matmul4" if "matmul4" in providers else "floor"
     ratios = [(f, base) for f in FUSED if f in providers] + [("pml", f) for f in FUSED if f in providers and "pml" in providers]
-    lines = ["| B | " + " | ".join(providers) + "".join(f" | {a} / {b}" for a, b in ratios) + " |",
-             "|---|" + "---|" * (len(providers) + len(ratios))]
-    for batch in sizes:
-        ok = {p: by[(p, batch)]["seconds"] for p in providers if by.get((p, batch), {}).get("status") == "ok"}
+    lines = ["| B (x R) | mined | " + " | ".join(providers) + "".join(f" | {a} / {b}" for a, b in ratios) + " |",
+             "|---|---|" + "---|" * (len(providers) + len(ratios))]
+    for batch, ref in shapes:
+        here = {p: by.get((p, batch, ref), {}) for p in providers}
+        ok = {p: r["seconds"] for p, r in here.items() if r.get("status") == "ok"}
+        mined = next((r["mined"] for r in here.values() if "mined" in r), None)
         ratio = lambda a, b: f"{ok[a] / ok[b]:.2f}x" if a in ok and b in ok else "-"  # noqa: E731
-        lines.append(f"| {batch} | " + " | ".join(cell(by.get((p, batch), {})) for p in providers)
+        lines.append(f"| {shape_name(batch, ref)} | " + ("-" if mined is None else f"{100 * mined:.2g}%") + " | "
+                     + " | ".join(cell(here[p]) for p in providers)
                      + "".join(f" | {ratio(a, b)}" for a, b in ratios) + " |")
     return "\n".join(lines)
 
@@ -221,17 +284,19 @@ def plot(rows, info, out, providers):
 
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
     for provider in providers:
-        ok = [r for r in rows if r["provider"] == provider and r["status"] == "ok"]
+        ok = [r for r in rows if r["provider"] == provider and r["status"] == "ok" and r["ref"] is None]
         if ok:
             batches = [r["batch"] for r in ok]
             ax_time.loglog(batches, [r["seconds"] for r in ok], "o-", label=provider, base=2)
             ax_mem.loglog(batches, [max(r["peak_extra_mib"], 1) for r in ok], "o-", label=provider, base=2)
-    ax_time.set(xlabel="batch size B", ylabel="forward+backward time (s)", title=f"time (D={rows[0]['dim']}, {rows[0]['dtype']}, {rows[0]['device']})")
+    first = rows[0]
+    ax_time.set(xlabel="batch size B", ylabel="forward+backward time (s)",
+                title=f"time (D={first['dim']}, {first['dtype']}, {first['device']}, {first['hardness']})")
     ax_mem.set(xlabel="batch size B", ylabel="peak memory above inputs (MiB)", title="peak memory")
     for ax in (ax_time, ax_mem):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    where = info.get("gpu") if rows[0]["device"] == "cuda" else f"{info['cpu']}, {info['threads']} threads"
+    where = info.get("gpu") if first["device"] == "cuda" else f"{info['cpu']}, {info['threads']} threads"
     fig.suptitle(f"{where}, torch {info['torch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "results.png"), dpi=110)
@@ -239,41 +304,68 @@ def plot(rows, info, out, providers):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 65536])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[1024, 4096, 8192, 16384, 65536],
+                        help="batch sizes of the self case")
+    parser.add_argument("--bank", type=int, nargs="*", default=[], metavar="R",
+                        help="memory-bank sizes: --bank-batch anchors against R rows (CUDA only)")
+    parser.add_argument("--bank-batch", type=int, default=1024)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--hardness", default="typical", choices=tuple(HARDNESS))
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: " + "; ".join(f"{d}: {' '.join(p)}" for d, p in DEFAULT_PROVIDERS.items()))
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (best is kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="stop repeating after this much time")
     parser.add_argument("--out", default="bench/results/latest")
     parser.add_argument("--worker", nargs=2, metavar=("PROVIDER", "B"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        provider, batch = args.worker[0], int(args.worker[1])
-        print(json.dumps(measure(provider, batch, args.dim, args.repeats, args.max_seconds, args.device, args.dtype)))
+        print(json.dumps(measure_cpu(args.worker[0], int(args.worker[1]), args)))
         return
+    if args.bank and args.device != "cuda":
+        parser.error("--bank needs --device cuda")
     providers = args.providers or DEFAULT_PROVIDERS[args.device]
+    shapes = [(b, None) for b in sorted(args.sizes)] + [(args.bank_batch, r) for r in sorted(args.bank)]
+
+    import torch
 
     info = machine_info()
     print(f"machine: {info}", flush=True)
     rows, last = [], {}
-    for batch in sorted(args.sizes):
+    for batch, ref_rows in shapes:
+        inputs = make_inputs(batch, args.dim, HARDNESS[args.hardness], ref_rows, args.device)
+        mined = mined_fraction(*inputs)
+        dtype = getattr(torch, args.dtype)
+        inputs = tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in inputs)
         for provider in providers:
-            row = {"provider": provider, "batch": batch, "dim": args.dim, "device": args.device, "dtype": args.dtype}
-            skip = predicted_skip(last.get(provider), batch, args)
-            print(f"[B={batch:>6}] {provider:<9} ", end="", flush=True)
-            row.update({"status": skip} if skip else run_worker(provider, batch, args))
+            row = {"provider": provider, "batch": batch, "ref": ref_rows, "dim": args.dim, "device": args.device,
+                   "dtype": args.dtype, "hardness": args.hardness, "mined": mined}
+            skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
+            print(f"[{shape_name(batch, ref_rows):>14}] {provider:<9} ", end="", flush=True)
+            if skip:
+                row["status"] = skip
+            elif args.device == "cpu":
+                row.update(run_worker(provider, batch, args))
+            else:
+                try:
+                    row.update(measure_cuda(provider, inputs, args), status="ok")
+                    row["tflops"] = 4 * 2 * pairs(row) * args.dim / row["seconds"] / 1e12
+                except torch.cuda.OutOfMemoryError:
+                    row["status"] = "out of memory"
+                except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
+                    row["status"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+                torch.cuda.empty_cache()
             if row["status"] == "ok":
-                last[provider] = row
-                print(f"{row['seconds']:.3f} s, peak +{row['peak_extra_mib']:.0f} MiB", flush=True)
+                last[(provider, ref_rows is None)] = row
+                print(f"{row['seconds']:.4g} s, peak +{row['peak_extra_mib']:.0f} MiB", flush=True)
             else:
                 print(row["status"], flush=True)
             rows.append(row)
             write_results(rows, info, args.out)
+        del inputs
     print()
-    print(table(rows, sorted(args.sizes), providers))
+    print(table(rows, shapes, providers))
     plot(rows, info, args.out, providers)
     print(f"\nwrote {args.out}/results.json, results.csv and results.png")
 

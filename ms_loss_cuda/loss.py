@@ -9,6 +9,10 @@ import torch.nn.functional as F
 from . import ops, reference
 
 BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+# What "auto" tries first on CUDA tensors, per embedding dtype: the faster backend as measured on an
+# H100 (bench/results/gpu/, README): Triton for 16-bit embeddings, the CUDA kernels for float32.
+AUTO_ON_CUDA = {torch.float16: ("triton", "cuda"), torch.bfloat16: ("triton", "cuda"),
+                torch.float32: ("cuda", "triton")}
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -42,7 +46,11 @@ def _unavailable_reason(backend, device, dtype=None):
     if backend == "cuda":
         if not torch._C._dispatch_has_kernel_for_dispatch_key("ms_loss_cuda::ms_loss_forward", "CUDA"):
             return "the CUDA kernels were not built (install with a CUDA build of torch and nvcc)"
-        return None if device.type == "cuda" else f"it takes CUDA tensors, got {device}"
+        if device.type != "cuda":
+            return f"it takes CUDA tensors, got {device}"
+        if torch.cuda.get_device_capability(device) < (8, 0):  # bfloat16 tensor cores, the built targets
+            return f"it needs a GPU of compute capability 8.0 or newer, got {torch.cuda.get_device_capability(device)}"
+        return None
     if backend == "triton":
         kernels = _triton_kernels()
         if isinstance(kernels, ImportError):
@@ -63,6 +71,9 @@ def available_backends(device="cpu"):
 _warned_fallback = False
 
 
+# Decided outside any torch.compile graph: Dynamo calls this at trace time and keeps the name it returns
+# (the checks query the dispatcher and import modules, which it cannot trace).
+@torch.compiler.assume_constant_result
 def _resolve_backend(backend, device, dtype):
     _check_backend_name(backend)
     if backend == "auto":
@@ -74,7 +85,7 @@ def _resolve_backend(backend, device, dtype):
         if reason is not None:
             raise RuntimeError(f"backend {backend!r} cannot run: {reason}")
         return backend
-    preferred = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
+    preferred = AUTO_ON_CUDA.get(dtype, ()) if device.type == "cuda" else ("cpu",)
     for candidate in preferred:
         if _unavailable_reason(candidate, device, dtype) is None:
             return candidate

@@ -133,14 +133,19 @@ def test_module_matches_function_and_has_pml_signature():
         MultiSimilarityLoss(alpha=-1)
 
 
-def test_auto_on_cuda_tensors_prefers_cuda_then_triton(monkeypatch):
+def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):
     from ms_loss_cuda import loss as api
 
-    reasons = {"cuda": "not built", "triton": None, "cpu": "CPU tensors only"}
+    reasons = {"cuda": None, "triton": None, "cpu": "CPU tensors only"}
     monkeypatch.setattr(api, "_unavailable_reason", lambda backend, device, dtype=None: reasons.get(backend))
     cuda = torch.device("cuda")
     assert api._resolve_backend("auto", cuda, torch.float16) == "triton"
-    reasons["cuda"] = None
+    assert api._resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    assert api._resolve_backend("auto", cuda, torch.float32) == "cuda"
+    reasons["triton"] = "no triton"
     assert api._resolve_backend("auto", cuda, torch.float16) == "cuda"
-    reasons.update(cuda="not built", triton="no triton")
+    reasons.update(cuda="not built", triton=None)
+    assert api._resolve_backend("auto", cuda, torch.float32) == "triton"
+    reasons.update(triton="no triton")
     assert api._resolve_backend("auto", cuda, torch.float16) == "reference"
+    assert api._resolve_backend("auto", cuda, torch.float64) == "reference"

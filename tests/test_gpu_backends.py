@@ -205,3 +205,61 @@ def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="backend 'triton' cannot run: .*TRITON_INTERPRET=1"):
         multi_similarity_loss(x, labels, backend="triton")
     assert "triton" not in api.available_backends("cpu")
+
+
+@pytest.mark.parametrize("choice", ["target", "auto"])
+def test_torch_compile_fullgraph(target, choice):
+    kwargs = to(build_case("ref_ids", 64, 32, torch.float32, seed=12), target.device)
+    backend = target.backend if choice == "target" else "auto"
+    compiled = torch.compile(multi_similarity_loss, backend="aot_eager", fullgraph=True)
+    x = kwargs.pop("embeddings").requires_grad_()
+    loss = compiled(x, backend=backend, **kwargs)
+    (grad,) = torch.autograd.grad(loss, x)
+    eager = multi_similarity_loss(x, backend=backend, **kwargs)
+    (grad_eager,) = torch.autograd.grad(eager, x)
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(grad, grad_eager)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or ops.LOAD_ERROR is not None, reason="needs a GPU and the CUDA kernels built")
+def test_cuda_ops_refuse_tensors_on_another_device():
+    x, labels = make_batch(16, 8, 3, dtype=torch.float32)
+    hyper = (2.0, 50.0, 0.5, 0.1, True, False)
+    with pytest.raises(RuntimeError, match="labels is on cpu"):
+        ops.forward_op(x.cuda(), labels, None, None, None, None, *hyper)
+    loss, stats = ops.forward_op(x.cuda(), labels.cuda(), None, None, None, None, *hyper)
+    with pytest.raises(RuntimeError, match="stats is on cpu"):
+        ops.backward_op(torch.ones_like(loss), stats.cpu(), x.cuda(), labels.cuda(), None, None, None, None, *hyper)
+
+
+@pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
+@pytest.mark.parametrize("batch,ref_rows", [(4096, None), (256, 65536), (1024, 1048576)])
+def test_triton_launches_fill_an_h100(batch, ref_rows):
+    # The plans an H100 (132 multiprocessors) gets: every launch that walks columns has at least two
+    # programs per multiprocessor, by splitting the columns where the rows alone are too few.
+    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.zeros(batch, dtype=torch.int64)
+    ref = None if ref_rows is None else torch.zeros(ref_rows, 512, dtype=torch.float16)
+    ref_labels = None if ref is None else torch.zeros(ref_rows, dtype=torch.int64)
+    hyper = (2.0, 50.0, 0.5, 0.1, True, False)
+    _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper,
+                                                    interpret=False, multiprocessors=132)
+    *_, backward = triton_kernels.backward_plan(torch.ones(batch), stats, x, labels, None, ref, ref_labels, None,
+                                                *hyper, interpret=False, multiprocessors=132)
+    walking = [launch for launch in forward + backward if "cols_per_split" in launch.args]
+    assert len(walking) == (2 + (1 if ref is None else 2))
+    for launch in walking:
+        programs = 1
+        for extent in launch.grid:
+            programs *= extent
+        assert programs >= 2 * 132, (launch.kernel.fn.__name__, launch.grid)
+
+
+@pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
+@pytest.mark.parametrize("row_programs,num_cols,block_n", [(1, 1000, 64), (8, 1 << 20, 64), (300, 5000, 64),
+                                                           (3, 0, 64), (2, 130, 64)])
+def test_column_splits_cover_every_column_once(row_programs, num_cols, block_n):
+    splits, per_split = triton_kernels.column_splits(row_programs, num_cols, block_n, 132)
+    assert splits >= 1 and per_split % block_n == 0
+    assert (splits - 1) * per_split < max(num_cols, 1) <= splits * per_split  # none empty, all covered
+    if num_cols > 0:
+        assert row_programs * splits >= min(2 * 132, row_programs * -(-num_cols // block_n))

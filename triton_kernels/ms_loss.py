@@ -16,6 +16,7 @@ Verified: loss and gradients against the float64 reference under TRITON_INTERPRE
 (tests/test_gpu_backends.py), and PTX/ptxas facts of every shipped configuration compiled ahead of time
 for sm_80 and sm_90 (tests/test_triton_compile.py). Not yet run on a GPU: no GPU timings exist.
 """
+import contextlib
 import os
 from typing import NamedTuple, Optional
 
@@ -112,64 +113,107 @@ def _load_keys(labels_ptr, ids_ptr, index, ok):
 
 
 @triton.jit
-def _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i, start, num_a, num_b, dim,
+def _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i, start, end, num_a, dim,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The tile of columns start .. start + BLOCK_N: (S, positive, negative, columns, valid columns)."""
+    """The tile of columns start .. min(start + BLOCK_N, end): (S, positive, negative, columns, valid columns)."""
     cols = start + tl.arange(0, BLOCK_N)
-    col_ok = cols < num_b
+    col_ok = cols < end
     label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
-    s = _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    s = _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, end, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
     positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
     return s, positive, negative, cols, col_ok
 
 
 # ---- kernels --------------------------------------------------------------------------------
 @triton.jit
-def _mine_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, stats_ptr,
-                 num_x, num_ref, dim,
+def _column_range(num_ref, cols_per_split, split_axis: tl.constexpr):
+    """The columns of this program's split: [begin, end)."""
+    begin = tl.program_id(split_axis) * cols_per_split
+    return begin, tl.minimum(begin + cols_per_split, num_ref)
+
+
+@triton.jit
+def _combined_extremes(part_ptr, rows, row_ok, num_x, splits):
+    """minpos / maxneg of the anchors `rows` from the per-split partials [2, splits, B], in split order."""
+    minpos = tl.full(rows.shape, INF, tl.float32)
+    maxneg = tl.full(rows.shape, -INF, tl.float32)
+    for k in range(0, splits):
+        minpos = tl.minimum(minpos, tl.load(part_ptr + k * num_x + rows, mask=row_ok, other=INF))
+        maxneg = tl.maximum(maxneg, tl.load(part_ptr + (splits + k) * num_x + rows, mask=row_ok, other=-INF))
+    return minpos, maxneg
+
+
+@triton.jit
+def _mine_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, part_ptr,
+                 num_x, num_ref, dim, splits, cols_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Per split of the columns: each anchor's hardest positive and negative there."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_x
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.full((BLOCK_M,), INF, tl.float32)
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
-    for start in range(0, num_ref, BLOCK_N):
+    begin, end = _column_range(num_ref, cols_per_split, 1)
+    for start in range(begin, end, BLOCK_N):
         s, positive, negative, _, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, label_i, id_i,
-                                                 start, num_x, num_ref, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                                 start, end, num_x, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                                  PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
-    tl.store(stats_ptr + rows, minpos, mask=row_ok)
-    tl.store(stats_ptr + num_x + rows, maxneg, mask=row_ok)
+    split = tl.program_id(1)
+    tl.store(part_ptr + split * num_x + rows, minpos, mask=row_ok)
+    tl.store(part_ptr + (splits + split) * num_x + rows, maxneg, mask=row_ok)
 
 
 @triton.jit
-def _lse_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, stats_ptr, loss_ptr,
-                num_x, num_ref, dim, alpha, beta, base, epsilon,
-                MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+def _lse_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, part_ptr, sums_ptr,
+                num_x, num_ref, dim, splits, cols_per_split, alpha, beta, base, epsilon,
+                MINING: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Per split of the columns: both sums of exp over the mined sets, shifted by the hardest pair's
+    exponent (known from all splits' extremes), into sums [2, splits, B]."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_x
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
-    minpos = tl.load(stats_ptr + rows, mask=row_ok, other=INF)
-    maxneg = tl.load(stats_ptr + num_x + rows, mask=row_ok, other=-INF)
+    minpos, maxneg = _combined_extremes(part_ptr, rows, row_ok, num_x, splits)
     shift_p, shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
     sum_n = tl.zeros((BLOCK_M,), tl.float32)
-    for start in range(0, num_ref, BLOCK_N):
+    begin, end = _column_range(num_ref, cols_per_split, 1)
+    for start in range(begin, end, BLOCK_N):
         s, positive, negative, _, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, label_i, id_i,
-                                                 start, num_x, num_ref, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                                 start, end, num_x, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                                  PRECISION)
         positive, negative = _mined_sets(s, positive, negative, minpos[:, None], maxneg[:, None], epsilon, MINING)
         sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
         sum_n += tl.sum(tl.where(negative, tl.exp(beta * (s - base) - shift_n[:, None]), 0.0), axis=1)
+    split = tl.program_id(1)
+    tl.store(sums_ptr + split * num_x + rows, sum_p, mask=row_ok)
+    tl.store(sums_ptr + (splits + split) * num_x + rows, sum_n, mask=row_ok)
+
+
+@triton.jit
+def _finish_kernel(part_ptr, sums_ptr, stats_ptr, loss_ptr, num_x, splits, alpha, beta, base, epsilon,
+                   MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, BLOCK: tl.constexpr):
+    """Combines the splits in their order: stats [4, B] = (minpos, maxneg, LP, LN) and the loss."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < num_x
+    minpos, maxneg = _combined_extremes(part_ptr, rows, row_ok, num_x, splits)
+    shift_p, shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
+    sum_p = tl.zeros((BLOCK,), tl.float32)
+    sum_n = tl.zeros((BLOCK,), tl.float32)
+    for k in range(0, splits):
+        sum_p += tl.load(sums_ptr + k * num_x + rows, mask=row_ok, other=0.0)
+        sum_n += tl.load(sums_ptr + (splits + k) * num_x + rows, mask=row_ok, other=0.0)
     lp = shift_p + tl.log(tl.exp(-shift_p) + sum_p)
     ln = shift_n + tl.log(tl.exp(-shift_n) + sum_n)
     counts = _anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE)
     tl.store(loss_ptr + rows, tl.where(counts, lp / alpha + ln / beta, 0.0), mask=row_ok)
+    tl.store(stats_ptr + rows, minpos, mask=row_ok)
+    tl.store(stats_ptr + num_x + rows, maxneg, mask=row_ok)
     tl.store(stats_ptr + 2 * num_x + rows, lp, mask=row_ok)
     tl.store(stats_ptr + 3 * num_x + rows, ln, mask=row_ok)
 
@@ -190,13 +234,13 @@ def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                  stats_ptr, scale_ptr, norm_ptr, out_ptr,
-                 num_a, num_b, num_anchors, dim, alpha, beta, base, epsilon,
+                 num_a, num_b, num_anchors, dim, cols_per_split, alpha, beta, base, epsilon,
                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
                  A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """out[rows, d-block] = sum_J H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ (anchors on the rows
-    of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS)."""
+    """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
+    (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -205,9 +249,10 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
         minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for start in range(0, num_b, BLOCK_N):
+    begin, end = _column_range(num_b, cols_per_split, 2)
+    for start in range(begin, end, BLOCK_N):
         s, positive, negative, cols, col_ok = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i,
-                                                         start, num_a, num_b, dim, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                         start, end, num_a, dim, BLOCK_M, BLOCK_N, BLOCK_K,
                                                          UPCAST, PRECISION)
         h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if A_ANCHORS:
@@ -224,6 +269,7 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             b = b.to(tl.float32)
         acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
     acc = acc * tl.load(norm_ptr)
+    out_ptr += tl.program_id(2).to(tl.int64) * num_a * dim
     tl.store(out_ptr + rows[:, None].to(tl.int64) * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ds[None, :] < dim))
 
@@ -250,12 +296,15 @@ def _pow2_at_least_16(n):
 def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype and D.
 
-    16-bit: 8 warps (two Hopper warpgroups), 3 stages; the forward takes 128 x 64 tiles; the
-    backward 64 rows with a float32 accumulator of up to 256 columns of D (beside it, 32 columns
-    per step when D > 64: what fits Ampere's registers without spills). D beyond 256 is split over
-    program_id(1), and S is recomputed per split: the backward costs 1 + ceil(D / 256) GEMMs.
-    float32 runs IEEE FMA products (TF32 would miss 1e-5; 3xTF32 spills on sm_80) on small
-    single-stage tiles.
+    From a sweep on an H100 (bench/tune_triton.py, B = 16384, D = 512, 2026-11-22; results in
+    bench/results/gpu/): the 16-bit backward takes 64 x 64 pair tiles and a float32 accumulator of
+    up to 256 columns of D (6.5 ms against 7.8 for 64 x 32). Faster entries that spill registers
+    were left out (16-bit: a 128 x 128 forward, 2.37 ms against 2.58, and a 512-column backward
+    accumulator, 4.9 ms; float32: 45 ms forward, 193 ms backward against 82 and 377), since the
+    spills grow on sm_80; a table per architecture would take them.
+    16-bit forward: 128 x 64 tiles, 8 warps (two Hopper warpgroups), 3 stages. float32 runs IEEE
+    FMA products (TF32 would miss 1e-5) on small single-stage tiles (32 backward rows: 64 spill a
+    few bytes at small D once the column splits are in).
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 by the tests.
@@ -263,13 +312,12 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
     elif dtype == torch.float32:
-        config = dict(BLOCK_M=64, BLOCK_N=32 if kind == "forward" else 16, BLOCK_K=32, BLOCK_D=64,
-                      num_warps=8 if kind == "forward" else 4, num_stages=1)
+        config = (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=1) if kind == "forward" else
+                  dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_D=64, num_warps=4, num_stages=1))
     elif kind == "forward":
         config = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
-        config = dict(BLOCK_M=64, BLOCK_N=32 if dim > 64 else 64, BLOCK_K=64, BLOCK_D=256, num_warps=8,
-                      num_stages=3)
+        config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=256, num_warps=8, num_stages=3)
     config["BLOCK_K"] = min(config["BLOCK_K"], _pow2_at_least_16(dim))
     if kind == "forward":
         config.pop("BLOCK_D", None)
@@ -316,30 +364,60 @@ def _check_dtypes(*tensors):
                             "(use backend='cpu' or 'reference' for float64)")
 
 
+def _multiprocessors(device, interpret):
+    """What the column splits are sized for: the GPU's multiprocessors; under the interpreter a few
+    (so that the tests run split launches); for plans made on CPU tensors without it, an H100's 132."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 if interpret else 132
+
+
+def column_splits(row_programs, num_cols, block_n, multiprocessors):
+    """(splits, columns per split): the columns are split over enough programs that a launch has at
+    least two per multiprocessor (a memory bank of B = 1024 has only 8 row blocks), each split a
+    whole number of BLOCK_N tiles and none empty. The splits' partial results are combined in a
+    fixed order afterwards (no atomics: the same bits on every run)."""
+    col_tiles = max(triton.cdiv(num_cols, block_n), 1)
+    wanted = min(triton.cdiv(2 * multiprocessors, max(row_programs, 1)), col_tiles)
+    tiles_per_split = max(col_tiles // wanted, 1)
+    return triton.cdiv(col_tiles, tiles_per_split), tiles_per_split * block_n
+
+
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
-                 skip_incomplete_anchors, interpret=INTERPRETED):
-    """(loss [B], stats [4, B], launches that fill them)."""
+                 skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None):
+    """(loss [B], stats [4, B], launches that fill them): mining and log-sum-exp per column split,
+    then one launch that combines the splits."""
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     loss = torch.zeros(num_x, dtype=torch.float32, device=x.device)
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret))
-    grid = (triton.cdiv(num_x, config["BLOCK_M"]),)
+    row_programs = triton.cdiv(num_x, config["BLOCK_M"])
+    splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
+                                           multiprocessors or _multiprocessors(x.device, interpret))
+    extremes = torch.empty(2, splits, num_x, dtype=torch.float32, device=x.device)
+    sums = torch.empty_like(extremes)
+    grid = (row_programs, splits)
     common = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
-                  ref_ids_ptr=b_ids, stats_ptr=stats, num_x=num_x, num_ref=b.shape[0], dim=dim)
+                  ref_ids_ptr=b_ids, part_ptr=extremes, num_x=num_x, num_ref=b.shape[0], dim=dim, splits=splits,
+                  cols_per_split=cols_per_split)
     hyper = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon)
-    options = dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
+    finish = dict(part_ptr=extremes, sums_ptr=sums, stats_ptr=stats, loss_ptr=loss, num_x=num_x, splits=splits,
+                  **hyper)
     launches = [
         Launch(_mine_kernel, grid, common, config, warps, stages),
-        Launch(_lse_kernel, grid, dict(common, loss_ptr=loss, **hyper), dict(config, **options), warps, stages),
+        Launch(_lse_kernel, grid, dict(common, sums_ptr=sums, **hyper), dict(config, MINING=mining), warps, stages),
+        Launch(_finish_kernel, (triton.cdiv(num_x, 256),), finish,
+               dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, BLOCK=256), 4, 1),
     ]
     return loss, stats, launches
 
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
-                  mining, skip_incomplete_anchors, interpret=INTERPRETED):
-    """(grad_x, grad_ref or empty [0], launches that fill them)."""
+                  mining, skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None):
+    """(grad_x, grad_ref or empty [0], launches that fill them). A gradient whose launch splits its
+    columns comes as float32 partials [splits, rows, D], to be summed over the first axis."""
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
@@ -350,32 +428,37 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     scale = scale / norm
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
+    multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
     shared = dict(stats_ptr=stats.contiguous(), scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
                   alpha=alpha, beta=beta, base=base, epsilon=epsilon)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
 
-    def grad_launch(rows, rows_keys, cols, cols_keys, out, a_anchors, b_anchors):
+    def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
+        row_programs = triton.cdiv(rows.shape[0], config["BLOCK_M"])
+        splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
+                                               multiprocessors)
+        out = torch.empty_like(rows) if splits == 1 else rows.new_empty((splits, *rows.shape), dtype=torch.float32)
         args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
                     b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out,
-                    num_a=rows.shape[0], num_b=cols.shape[0], **shared)
-        grid = (triton.cdiv(rows.shape[0], config["BLOCK_M"]), grid_d)
-        return Launch(_grad_kernel, grid, args, dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors),
-                      warps, stages)
+                    num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split, **shared)
+        return out, Launch(_grad_kernel, (row_programs, grid_d, splits), args,
+                           dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors), warps, stages)
 
-    grad_x = torch.empty_like(a)
     if ref is None:  # row block I builds G_IJ + G_JI^T itself
-        return grad_x, x.new_empty((0,)), [grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), grad_x, True, True)]
-    grad_ref = torch.empty_like(b)
-    launches = [grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), grad_x, True, False),
-                grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), grad_ref, False, True)]
-    return grad_x, grad_ref, launches
+        grad_x, launch = grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), True, True)
+        return grad_x, x.new_empty((0,)), [launch]
+    grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False)
+    grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
+    return grad_x, grad_ref, [launch_x, launch_ref]
 
 
-def _run(plan, *args):
+def _run(plan, device, *args):
+    """Runs the plan's launches under `device` (Triton launches on the current CUDA device and stream)."""
     *outputs, launches = plan(*args)
-    for launch in launches:
-        if launch.grid[0] > 0 and launch.grid[-1] > 0:  # an empty grid has nothing to write
-            launch()
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for launch in launches:
+            if all(launch.grid):  # an empty grid has nothing to write
+                launch()
     return tuple(outputs)
 
 
@@ -385,7 +468,7 @@ def triton_forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Te
                    ref_labels: Optional[torch.Tensor], ref_ids: Optional[torch.Tensor], alpha: float, beta: float,
                    base: float, epsilon: float, mining: bool,
                    skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(forward_plan, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
+    return _run(forward_plan, x.device, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
                 skip_incomplete_anchors)
 
 
@@ -394,10 +477,11 @@ def triton_backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tenso
                     ids: Optional[torch.Tensor], ref: Optional[torch.Tensor], ref_labels: Optional[torch.Tensor],
                     ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
                     mining: bool, skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_ref = _run(backward_plan, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta,
+    grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta,
                             base, epsilon, mining, skip_incomplete_anchors)
 
-    def unpadded(grad, like):  # back to the input's width and dtype (mixed dtypes ran promoted)
+    def unpadded(grad, like):  # split partials summed in order; the input's width and dtype (mixed dtypes ran promoted)
+        grad = grad.sum(0) if grad.dim() == 3 else grad
         return grad[:, :like.shape[1]].to(like.dtype).contiguous()
 
     return unpadded(grad_x, x), (grad_ref if ref is None else unpadded(grad_ref, ref))

@@ -29,16 +29,24 @@ void launch(void (*kernel)(Params...), dim3 grid, Args... args) {
 
 namespace {
 
-void check_cuda(const at::Tensor& x, const std::optional<at::Tensor>& ref) {
-  TORCH_CHECK(x.is_cuda() && (!ref.has_value() || ref->is_cuda()), "ms_loss (CUDA): expected CUDA tensors");
+// Every tensor the kernels read or write must live on x's GPU: a host or foreign pointer in a kernel
+// is an illegal address that breaks the CUDA context.
+void check_device(const at::Tensor& x, std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
+  TORCH_CHECK(x.is_cuda(), "ms_loss (CUDA): expected CUDA tensors, got x on ", x.device());
+  for (const auto& [name, t] : others)
+    if (t != nullptr)
+      TORCH_CHECK(t->device() == x.device(), "ms_loss (CUDA): ", name, " is on ", t->device(), ", x on ", x.device());
 }
+
+const at::Tensor* opt(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
 std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cuda(
     const at::Tensor& x, const at::Tensor& labels, const std::optional<at::Tensor>& ids,
     const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& ref_labels,
     const std::optional<at::Tensor>& ref_ids, double alpha, double beta, double base, double epsilon, bool mining,
     bool skip_incomplete_anchors) {
-  check_cuda(x, ref);
+  check_device(x, {{"labels", &labels}, {"ids", opt(ids)}, {"ref", opt(ref)}, {"ref_labels", opt(ref_labels)},
+                   {"ref_ids", opt(ref_ids)}});
   const c10::cuda::CUDAGuard guard(x.device());
   return ms_loss_cuda_kernels::forward(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
                                        skip_incomplete_anchors);
@@ -49,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cuda(
     const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& ref_labels, const std::optional<at::Tensor>& ref_ids, double alpha, double beta,
     double base, double epsilon, bool mining, bool skip_incomplete_anchors) {
-  check_cuda(x, ref);
+  check_device(x, {{"grad_loss", &grad_loss}, {"stats", &stats}, {"labels", &labels}, {"ids", opt(ids)},
+                   {"ref", opt(ref)}, {"ref_labels", opt(ref_labels)}, {"ref_ids", opt(ref_ids)}});
   const c10::cuda::CUDAGuard guard(x.device());
   return ms_loss_cuda_kernels::backward(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta,
                                         base, epsilon, mining, skip_incomplete_anchors);

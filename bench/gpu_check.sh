@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with a GPU, a CUDA build of torch, triton and nvcc:
+#   bench/gpu_check.sh DIR [STEP ...]      (make gpu-check DIR=...; default: every step, in order)
+# Steps: build (the CUDA kernels, for this GPU's architecture), tests (the test suite on CUDA
+# tensors, without the static compile checks and the CPU emulation of CUDA, which need no GPU),
+# sanitize (compute-sanitizer memcheck, racecheck, synccheck on small cases of every kernel),
+# tune (bench/tune_triton.py: the Triton tile sweep), bench (bench/benchmark.py for float16,
+# bfloat16 and float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
+# 1024 x 1048576, D = 512; BENCH_DTYPES picks dtypes), profile (Nsight Compute on one float16 step
+# of each fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt gets one line per step.
+# pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
+set -uo pipefail
+DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench]}
+shift
+STEPS=${*:-build tests sanitize tune bench}  # profile: on request
+cd "$(dirname "$0")/.."
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_metric_learning" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/ms_loss_site .whl/*.whl
+  export PYTHONPATH=/tmp/ms_loss_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+run_step() {  # name, time limit (s), command...: log to DIR/name.log, one line to summary.txt
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc, $((SECONDS - start)) s" | tee -a "$DIR/summary.txt"
+  tail -n 4 "$DIR/$name.log"
+}
+
+{ nvidia-smi; $PY -c "import torch, triton, sys; print(sys.version); print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+  nvcc --version; } >"$DIR/env.log" 2>&1
+for step in $STEPS; do
+  case $step in
+  build)
+    arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    run_step build 900 env TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" \
+      $PY -m pip install -v --no-build-isolation --no-deps -e . ;;
+  tests)
+    xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+    run_step tests 900 $PY -m pytest -q -rs $xdist tests --ignore=tests/test_triton_compile.py \
+      --ignore=tests/test_cuda_compile.py -k "not cuda_emulated" --junitxml="$DIR/tests.xml" ;;
+  sanitize)
+    for backend in cuda triton; do
+      run_step "sanitize-$backend-warmup" 300 $PY bench/gpu_sanitize.py --backend $backend  # compiles outside the tools
+      for tool in memcheck racecheck synccheck; do
+        run_step "sanitize-$backend-$tool" 600 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool \
+          --error-exitcode 9 $PY bench/gpu_sanitize.py --backend $backend
+      done
+    done ;;
+  tune)
+    run_step tune 900 $PY bench/tune_triton.py --out "$DIR/tune.json" ;;
+  bench)
+    for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
+      run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype $dtype --sizes 4096 16384 65536 \
+        --bank 262144 1048576 --max-seconds 10 --out "$DIR/bench-$dtype"
+    done ;;
+  profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
+    for backend in triton cuda; do
+      run_step "profile-$backend" 300 ncu --clock-control none --kernel-name \
+        regex:"_mine_kernel|_lse_kernel|_finish_kernel|_grad_kernel|forward_kernel|backward_kernel" --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section WarpStateStats $PY -c "
+import torch, ms_loss_cuda
+x = torch.randn(16384, 512, device='cuda', dtype=torch.float16).requires_grad_()
+labels = torch.arange(16384, device='cuda') // 4
+ms_loss_cuda.multi_similarity_loss(x, labels, backend='$backend').backward()
+torch.cuda.synchronize()"
+    done ;;
+  *) echo "unknown step $step" | tee -a "$DIR/summary.txt" ;;
+  esac
+done

@@ -1,0 +1,120 @@
+"""A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
+each candidate's forward (mining + log-sum-exp launches) and backward launches are timed separately
+(median of CUDA-event timings) on the self case B = 16384, D = 512, for each dtype, and on the
+memory-bank shape 1024 x 262144 for the first dtype. The winners go into tile_config by hand, so that no user pays for tuning.
+    python bench/tune_triton.py --out tune.json
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import ms_loss_cuda.triton_kernels.ms_loss as tk
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the forward kernels, and with BLOCK_D for the
+# backward: the shipped entry first, then neighbours.
+FORWARD = {
+    "16-bit": [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+               (128, 128, 32, 8, 4), (64, 128, 64, 4, 3), (128, 64, 32, 4, 4), (256, 64, 64, 8, 3)],
+    "float32": [(64, 32, 32, 8, 1), (64, 64, 32, 8, 2), (128, 64, 32, 8, 2), (64, 64, 16, 4, 2), (128, 32, 32, 8, 1),
+                (64, 32, 32, 4, 2)],
+}
+BACKWARD = {
+    "16-bit": [(64, 32, 64, 256, 8, 3), (64, 64, 64, 256, 8, 3), (128, 32, 64, 256, 8, 3), (64, 64, 32, 256, 8, 2),
+               (64, 32, 64, 128, 4, 3), (128, 64, 64, 128, 8, 3), (64, 64, 64, 512, 8, 2), (128, 64, 32, 256, 8, 2)],
+    "float32": [(64, 16, 32, 64, 4, 1), (64, 32, 32, 64, 4, 2), (64, 32, 32, 128, 8, 2), (128, 32, 32, 64, 8, 1),
+                (64, 16, 32, 128, 8, 1), (32, 32, 32, 64, 4, 2)],
+}
+SHIPPED = tk.tile_config
+
+
+def override(kind, values):
+    """tile_config with `values` for the kernels of `kind` (the other kind keeps the shipped entry)."""
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if kind == "forward" else \
+        ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_D", "num_warps", "num_stages")
+
+    def config(k, dtype, dim, interpret=False):
+        shipped = SHIPPED(k, dtype, dim, interpret)
+        return dict(shipped, **dict(zip(names, values))) if k == kind else shipped
+
+    return config
+
+
+def timed(launches, repeats=7):
+    for launch in launches:  # warm-up (compiles)
+        launch()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for launch in launches:
+            launch()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def inputs(batch, ref_rows, dim, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = batch if ref_rows is None else ref_rows
+    centres = torch.randn(rows // 4 + 1, dim, generator=gen, device="cuda")
+    labels = torch.arange(rows, device="cuda") // 4
+    data = torch.nn.functional.normalize(centres[labels] + 2.0 * torch.randn(rows, dim, generator=gen, device="cuda"))
+    data = data.to(dtype)
+    if ref_rows is None:
+        return (data, labels, None, None, None, None)
+    return (data[:batch].contiguous(), labels[:batch], None, data, labels, None)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="tune.json")
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    args = parser.parse_args()
+    hyper = (2.0, 50.0, 0.5, 0.1, True, False)
+    records = []
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        group = "float32" if dtype == torch.float32 else "16-bit"
+        for batch, ref_rows in ((16384, None), (1024, 262144))[:2 if name == args.dtypes[0] else 1]:
+            operands = inputs(batch, ref_rows, 512, dtype)
+            for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
+                for values in candidates:
+                    tk.tile_config = override(kind, values)
+                    record = dict(dtype=name, batch=batch, ref=ref_rows, kind=kind, config=values)
+                    try:
+                        start = time.perf_counter()
+                        _, stats, forward = tk.forward_plan(*operands, *hyper)
+                        if kind == "forward":
+                            record["ms"] = timed(forward)
+                        else:
+                            for launch in forward:
+                                launch()
+                            *_, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands, *hyper)
+                            record["ms"] = timed(backward)
+                        record["wall_s"] = time.perf_counter() - start
+                    except Exception as error:  # noqa: BLE001  (out of resources: recorded, the sweep goes on)
+                        record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    tk.tile_config = SHIPPED
+                    records.append(record)
+                    print(json.dumps(record), flush=True)
+                    with open(args.out, "w") as f:
+                        json.dump(records, f, indent=1)
+    print("\nwinners (ms; shipped first in each list):")
+    for name in args.dtypes:
+        for shape in ((16384, None), (1024, 262144)):
+            for kind in ("forward", "backward"):
+                mine = [r for r in records if (r["dtype"], r["batch"], r["ref"], r["kind"]) == (name, *shape, kind)
+                        and "ms" in r]
+                if mine:
+                    best = min(mine, key=lambda r: r["ms"])
+                    print(f"{name:9} {str(shape):16} {kind:8} shipped {mine[0]['ms']:.3f} ms {mine[0]['config']}"
+                          f" -> best {best['ms']:.3f} ms {best['config']}")
+
+
+if __name__ == "__main__":
+    main()
