@@ -22,8 +22,8 @@ FORWARD = {
                 (64, 32, 32, 4, 2)],
 }
 BACKWARD = {
-    "16-bit": [(64, 32, 64, 256, 8, 3), (64, 64, 64, 256, 8, 3), (128, 32, 64, 256, 8, 3), (64, 64, 32, 256, 8, 2),
-               (64, 32, 64, 128, 4, 3), (128, 64, 64, 128, 8, 3), (64, 64, 64, 512, 8, 2), (128, 64, 32, 256, 8, 2)],
+    "16-bit": [(64, 32, 64, 512, 8, 2), (64, 64, 64, 256, 8, 3), (64, 32, 64, 256, 8, 3), (64, 32, 64, 512, 8, 3),
+               (64, 32, 32, 512, 8, 3), (128, 32, 64, 256, 8, 3), (64, 64, 64, 512, 8, 2), (128, 64, 32, 256, 8, 2)],
     "float32": [(64, 16, 32, 64, 4, 1), (64, 32, 32, 64, 4, 2), (64, 32, 32, 128, 8, 2), (128, 32, 32, 64, 8, 1),
                 (64, 16, 32, 128, 8, 1), (32, 32, 32, 64, 4, 2)],
 }
@@ -74,6 +74,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tune.json")
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    parser.add_argument("--kinds", nargs="+", default=["forward", "backward"], choices=("forward", "backward"))
+    parser.add_argument("--candidates", type=int, default=8, help="the first N of each list")
     args = parser.parse_args()
     hyper = (2.0, 50.0, 0.5, 0.1, True, False)
     records = []
@@ -83,7 +85,9 @@ def main():
         for batch, ref_rows in ((16384, None), (1024, 262144))[:2 if name == args.dtypes[0] else 1]:
             operands = inputs(batch, ref_rows, 512, dtype)
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
-                for values in candidates:
+                if kind not in args.kinds:
+                    continue
+                for values in candidates[:args.candidates]:
                     tk.tile_config = override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, kind=kind, config=values)
                     try:

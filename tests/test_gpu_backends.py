@@ -263,3 +263,11 @@ def test_column_splits_cover_every_column_once(row_programs, num_cols, block_n):
     assert (splits - 1) * per_split < max(num_cols, 1) <= splits * per_split  # none empty, all covered
     if num_cols > 0:
         assert row_programs * splits >= min(2 * 132, row_programs * -(-num_cols // block_n))
+
+
+def test_int64_keys_beyond_the_int32_range(target):
+    # Keys equal in their low 32 bits: a kernel that truncated them would merge every class.
+    kwargs = build_case("ref_ids", 61, 16, torch.float32, seed=13)
+    for key in ("labels", "ref_labels", "ids", "ref_ids"):
+        kwargs[key] = kwargs[key] * 2**33 - 7
+    check(target, kwargs, torch.float32, "none")

@@ -22,7 +22,8 @@ from triton.compiler import ASTSource
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a"}
-POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
+                 torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
 ROWS, REF_ROWS = 4096, 1000
 

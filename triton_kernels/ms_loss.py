@@ -80,10 +80,10 @@ def _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING: tl.constexpr):
 
 @triton.jit
 def _pair_weights(s, positive, negative, lp, ln, alpha, beta, base):
-    """dL_i/dS_ij (General Pair Weighting); 0 outside the mined sets."""
-    w_positive = -tl.exp(-alpha * (s - base) - lp)
-    w_negative = tl.exp(beta * (s - base) - ln)
-    return tl.where(positive, w_positive, tl.where(negative, w_negative, 0.0))
+    """dL_i/dS_ij (General Pair Weighting); 0 outside the mined sets. One exponential per pair: its
+    class picks the exponent."""
+    w = tl.exp(tl.where(positive, -alpha * (s - base) - lp, beta * (s - base) - ln))
+    return tl.where(positive, -w, tl.where(negative, w, 0.0))
 
 
 # ---- tiles ----------------------------------------------------------------------------------
@@ -188,8 +188,9 @@ def _lse_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr
                                                  start, end, num_x, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                                  PRECISION)
         positive, negative = _mined_sets(s, positive, negative, minpos[:, None], maxneg[:, None], epsilon, MINING)
-        sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
-        sum_n += tl.sum(tl.where(negative, tl.exp(beta * (s - base) - shift_n[:, None]), 0.0), axis=1)
+        e = tl.exp(tl.where(positive, -alpha * (s - base) - shift_p[:, None], beta * (s - base) - shift_n[:, None]))
+        sum_p += tl.sum(tl.where(positive, e, 0.0), axis=1)
+        sum_n += tl.sum(tl.where(negative, e, 0.0), axis=1)
     split = tl.program_id(1)
     tl.store(sums_ptr + split * num_x + rows, sum_p, mask=row_ok)
     tl.store(sums_ptr + (splits + split) * num_x + rows, sum_n, mask=row_ok)
@@ -296,15 +297,14 @@ def _pow2_at_least_16(n):
 def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype and D.
 
-    From a sweep on an H100 (bench/tune_triton.py, B = 16384, D = 512, 2026-11-22; results in
-    bench/results/gpu/): the 16-bit backward takes 64 x 64 pair tiles and a float32 accumulator of
-    up to 256 columns of D (6.5 ms against 7.8 for 64 x 32). Faster entries that spill registers
-    were left out (16-bit: a 128 x 128 forward, 2.37 ms against 2.58, and a 512-column backward
-    accumulator, 4.9 ms; float32: 45 ms forward, 193 ms backward against 82 and 377), since the
-    spills grow on sm_80; a table per architecture would take them.
-    16-bit forward: 128 x 64 tiles, 8 warps (two Hopper warpgroups), 3 stages. float32 runs IEEE
-    FMA products (TF32 would miss 1e-5) on small single-stage tiles (32 backward rows: 64 spill a
-    few bytes at small D once the column splits are in).
+    From sweeps on an H100 (bench/tune_triton.py, B = 16384, D = 512, 2026-11-22; results in
+    bench/results/gpu/). 16-bit forward: 128 x 64 tiles, 8 warps (two Hopper warpgroups), 3
+    stages. 16-bit backward: 64 rows and a float32 accumulator of up to 512 columns of D, so that S
+    is computed once per pair tile for D <= 512 (64 x 32 pair tiles keep it free of spills).
+    Faster entries that spill registers were left out (a 128 x 128 forward: 2.37 ms against 2.58;
+    float32: 45 ms forward, 193 ms backward against 82 and 377), since the spills grow on sm_80; a
+    table per architecture would take them. float32 runs IEEE FMA products (TF32 would miss 1e-5)
+    on small single-stage tiles (32 backward rows: 64 spill a few bytes at small D).
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 by the tests.
@@ -317,7 +317,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     elif kind == "forward":
         config = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
-        config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=256, num_warps=8, num_stages=3)
+        config = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_D=512, num_warps=8, num_stages=2)
     config["BLOCK_K"] = min(config["BLOCK_K"], _pow2_at_least_16(dim))
     if kind == "forward":
         config.pop("BLOCK_D", None)
@@ -336,20 +336,31 @@ def _aligned_rows(t, dtype):
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
+def _int32_keys(a, b):
+    """Keys of both ends as int32 tensors that are equal exactly where a's and b's values are: each
+    value's rank among all of them (a sort, no device sync). int32 halves the integer work per pair."""
+    if a.dtype == torch.int32 and b.dtype == torch.int32:
+        return a.contiguous(), b.contiguous()
+    both = a.to(torch.int64) if a is b else torch.cat([a.to(torch.int64), b.to(torch.int64)])
+    ranks = torch.searchsorted(torch.sort(both).values, both).to(torch.int32)
+    return (ranks, ranks) if a is b else (ranks[:a.shape[0]], ranks[a.shape[0]:])
+
+
 def _operands(x, labels, ids, ref, ref_labels, ref_ids):
-    """Aligned rows of one dtype and int64 keys of both ends; default identities never collide
-    across ends (self case: the row index, so the diagonal is skipped)."""
+    """Aligned rows of one dtype and int32 keys of both ends (`_int32_keys`); default identities
+    never collide across ends (self case: the row index, so the diagonal is skipped)."""
     batch = x.shape[0]
     dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
     x = _aligned_rows(x, dtype)
     ref = None if ref is None else _aligned_rows(ref, dtype)
-    ids = torch.arange(batch, device=x.device) if ids is None else ids
+    ids = torch.arange(batch, device=x.device, dtype=torch.int32) if ids is None else ids
     if ref is None:
         ref, ref_labels, ref_ids = x, labels, ids
     elif ref_ids is None:
-        ref_ids = torch.arange(batch, batch + ref.shape[0], device=x.device)
-    keys = [t.to(torch.int64).contiguous() for t in (labels, ids, ref_labels, ref_ids)]
-    return (x, ref, *keys)
+        ref_ids = torch.arange(batch, batch + ref.shape[0], device=x.device, dtype=torch.int32)
+    labels, ref_labels = _int32_keys(labels, ref_labels)
+    ids, ref_ids = _int32_keys(ids, ref_ids)
+    return (x, ref, labels, ids, ref_labels, ref_ids)
 
 
 def _split(config):
