@@ -1,5 +1,5 @@
 // The ops' input rules and int64 keys, shared by the CPU and the CUDA kernels: one place for the
-// shape checks and for the default identities (shared SPEC.md).
+// shape checks and for the default identities (as ms_loss_cuda/reference.py defines them).
 #pragma once
 
 #include <ATen/ATen.h>

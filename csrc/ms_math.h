@@ -1,6 +1,6 @@
 // Per-pair math of the Multi-Similarity loss, shared by every C++ kernel (CPU and CUDA).
 //
-// See shared SPEC.md: S_ij = <x_i, r_j>; a pair is skipped when the identities are equal, otherwise
+// The function of ms_loss_cuda/reference.py: S_ij = <x_i, r_j>; a pair is skipped when the identities are equal, otherwise
 // it is a positive (same label) or a negative. Everything here is computed in T = float or double.
 // The kernels only decide which (i, j) a thread looks at; what happens to one pair lives here.
 #pragma once

@@ -1,4 +1,5 @@
-"""The Multi-Similarity loss in plain PyTorch: the spec (shared SPEC.md) in code, and the fallback.
+"""The Multi-Similarity loss in plain PyTorch: the exact function in code (the spec every
+backend is tested against), and the fallback.
 
 Dense: it builds the B x R similarity matrix and its masks, so memory grows as B * R. Gradients come
 from autograd through ordinary torch ops; the mining masks are constants, as in the paper's code

@@ -12,7 +12,7 @@ from conftest import make_batch
 
 def loop_loss(x, labels, ref=None, ref_labels=None, ids=None, ref_ids=None, *, alpha, beta, base,
               epsilon, mining, skip_incomplete_anchors=False):
-    """Per-anchor losses of SPEC.md, one anchor and one pair at a time, in numpy float64."""
+    """Per-anchor losses of the MS loss, one anchor and one pair at a time, in numpy float64."""
     x = x.detach().double().numpy()
     self_case = ref is None
     r = x if self_case else ref.detach().double().numpy()

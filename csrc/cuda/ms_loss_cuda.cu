@@ -2,11 +2,11 @@
 // csrc/ms_loss.cpp): kernels and host logic are in ms_loss_kernels.cuh; this file launches them on
 // the current CUDA stream, checks every launch, and registers the ops.
 //
-// Verified on machines without a GPU only: compiled with nvcc for sm_80 and sm_90 (ptxas: no spills,
-// no stack frame; HMMA in the 16-bit kernels' SASS), the per-pair math through the CPU kernel's
-// tests, and kernels plus host logic run on CPU threads through an emulation of the CUDA features
-// they use (tests/test_gpu_backends.py, target cuda_emulated). Never executed on a GPU; the same
-// suite runs them there when one is present.
+// Verified on an H100 (bench/gpu_check.sh, 2026-11-22): the parity suite on CUDA tensors and
+// compute-sanitizer memcheck/racecheck/synccheck. Without a GPU: compiled with nvcc for sm_80 and
+// sm_90 (ptxas: no spills, no stack frame; HMMA in the 16-bit kernels' SASS), and kernels plus host
+// logic run on CPU threads through an emulation of the CUDA features they use
+// (tests/test_gpu_backends.py, target cuda_emulated).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -1,4 +1,5 @@
-// Kernels and host logic of the CUDA backend (shared SPEC.md), no B x R buffer ever allocated.
+// Kernels and host logic of the CUDA backend (the function of ms_loss_cuda/reference.py), no B x R
+// buffer ever allocated.
 //
 // One block of 128 threads owns 64 anchor rows and walks over the reference rows 64 at a time:
 // - forward_kernel: similarity tile -> minpos/maxneg over all tiles, then the tiles again ->
