@@ -236,15 +236,16 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
     const at::Tensor& labels, const std::optional<at::Tensor>& ids,
     const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& ref_labels,
     const std::optional<at::Tensor>& ref_ids, double alpha, double beta, double base,
-    double epsilon, bool mining, bool skip_incomplete_anchors) {
+    double epsilon, bool mining, bool skip_incomplete_anchors, bool ref_grad) {
   const Inputs in = prepare(x, labels, ids, ref, ref_labels, ref_ids);
   const int64_t B = in.x.size(0);
+  const bool want_ref = !in.self_case && ref_grad;
   TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == B && stats.dim() == 2 &&
                   stats.size(0) == 4 && stats.size(1) == B,
               "ms_loss_backward: expected grad_loss [B] and stats [4, B] with B = ", B);
   const at::Tensor st = stats.to(in.x.scalar_type()).contiguous();
   at::Tensor grad_x = at::empty_like(in.x);
-  at::Tensor grad_ref = in.self_case ? at::empty({0}, in.x.options()) : at::zeros_like(in.ref);
+  at::Tensor grad_ref = want_ref ? at::zeros_like(in.ref) : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES(in.x.scalar_type(), "ms_loss_backward_cpu", [&] {
     const auto p = make_params<scalar_t>(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
     const RefKeys keys{in.ref_labels.data_ptr<int64_t>(), in.ref_ids.data_ptr<int64_t>(), in.ref.size(0)};
@@ -280,11 +281,10 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
       } else {
         at::mm_out(grad_x_rows, s, in.ref);
       }
-      if (!in.self_case) grad_ref.addmm_(s.t(), in.x.narrow(0, i0, rows));
+      if (want_ref) grad_ref.addmm_(s.t(), in.x.narrow(0, i0, rows));
     });
   });
-  return {grad_x.to(x.scalar_type()),
-          in.self_case ? grad_ref : grad_ref.to(ref->scalar_type())};
+  return {grad_x.to(x.scalar_type()), want_ref ? grad_ref.to(ref->scalar_type()) : grad_ref};
 }
 
 }  // namespace

@@ -11,10 +11,11 @@ constexpr const char* kForwardSchema =
     "Tensor? ref_ids, float alpha, float beta, float base, float epsilon, bool mining, "
     "bool skip_incomplete_anchors) -> (Tensor, Tensor)";
 
-// Gradients of sum_i grad_loss[i] * L_i for x and ref (an empty tensor without `ref`).
+// Gradients of sum_i grad_loss[i] * L_i for x and ref (an empty tensor without `ref`, or with
+// ref_grad=False: a memory bank takes no gradient, and its product is then never computed).
 constexpr const char* kBackwardSchema =
     "ms_loss_backward(Tensor grad_loss, Tensor stats, Tensor x, Tensor labels, Tensor? ids, "
     "Tensor? ref, Tensor? ref_labels, Tensor? ref_ids, float alpha, float beta, float base, "
-    "float epsilon, bool mining, bool skip_incomplete_anchors) -> (Tensor, Tensor)";
+    "float epsilon, bool mining, bool skip_incomplete_anchors, bool ref_grad=True) -> (Tensor, Tensor)";
 
 }  // namespace ms_loss

@@ -27,7 +27,8 @@ def _compute_dtype(x):
 def register_fused_op(forward_name, backward_name, backward_op):
     """Fake kernels and autograd for a (forward, backward) pair of ops with the schemas of
     csrc/ms_loss_schema.h: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
-    stats [4, B]); backward(grad_loss, stats, x, ..., *hyper) -> (grad_x, grad_ref or empty [0])."""
+    stats [4, B]); backward(grad_loss, stats, x, ..., *hyper, ref_grad) -> (grad_x, grad_ref or empty
+    [0]). Autograd asks for grad_ref only when ref requires a gradient (a memory bank does not)."""
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
@@ -36,8 +37,9 @@ def register_fused_op(forward_name, backward_name, backward_op):
         return x.new_empty((batch,), dtype=dtype), x.new_empty((4, batch), dtype=dtype)
 
     @torch.library.register_fake(backward_name)
-    def _backward_fake(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
-        return torch.empty_like(x), (x.new_empty((0,)) if ref is None else torch.empty_like(ref))
+    def _backward_fake(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
+                       mining, skip_incomplete_anchors, ref_grad=True):
+        return torch.empty_like(x), (torch.empty_like(ref) if ref is not None and ref_grad else x.new_empty((0,)))
 
     def setup_context(ctx, inputs, output):
         x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters = inputs
@@ -46,10 +48,11 @@ def register_fused_op(forward_name, backward_name, backward_op):
 
     def backward(ctx, grad_loss, grad_stats):
         x, labels, ids, ref, ref_labels, ref_ids, stats = ctx.saved_tensors
+        ref_grad = ref is not None and ctx.needs_input_grad[3]
         grad_x, grad_ref = backward_op(
-            grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters
+            grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
         )
-        grad_ref = None if ref is None else grad_ref
+        grad_ref = grad_ref if ref_grad else None
         return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
 
     torch.library.register_autograd(forward_name, backward, setup_context=setup_context)

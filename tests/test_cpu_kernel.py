@@ -118,6 +118,16 @@ def test_opcheck(case):
                           (torch.rand_like(loss), stats.detach()) + detached)
 
 
+def test_a_bank_that_takes_no_gradient_gets_none():
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in op_args("ref_ids"))
+    loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(*args)
+    grad = torch.rand_like(loss)
+    full = torch.ops.ms_loss_cuda.ms_loss_backward(grad, stats, *args)
+    bank = torch.ops.ms_loss_cuda.ms_loss_backward(grad, stats, *args, False)
+    assert bank[1].numel() == 0 and full[1].shape == args[3].shape and torch.equal(bank[0], full[0])
+    torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_backward.default, (grad, stats) + args + (False,))
+
+
 def test_torch_compile_of_public_function():
     kwargs = build_case("ref_ids", 64, 32, torch.float32, seed=12)
     compiled = torch.compile(ms_loss_cuda.multi_similarity_loss, backend="aot_eager", fullgraph=True)

@@ -19,7 +19,7 @@ from torch.utils import cpp_extension
 
 from ms_loss_cuda import loss as api, multi_similarity_loss, ops
 
-from conftest import build_case, check_against_reference, loss_and_grads, make_batch, to
+from conftest import assert_close, build_case, check_against_reference, loss_and_grads, make_batch, to
 
 try:
     import ms_loss_cuda.triton_kernels as triton_kernels
@@ -271,3 +271,25 @@ def test_int64_keys_beyond_the_int32_range(target):
     for key in ("labels", "ref_labels", "ids", "ref_ids"):
         kwargs[key] = kwargs[key] * 2**33 - 7
     check(target, kwargs, torch.float32, "none")
+
+
+def test_a_bank_that_takes_no_gradient_gets_none(target):
+    # ref_grad=False (what autograd asks for when the reference set does not require a gradient, as a
+    # memory bank does not): the same dx, bit for bit, and an empty dref.
+    kwargs = to(build_case("ref_ids", 61, 16, torch.float32, seed=14), target.device)
+    x, ref = F.normalize(kwargs["embeddings"], dim=1), F.normalize(kwargs["ref_embeddings"], dim=1)
+    args = (kwargs["labels"], kwargs["ids"], ref, kwargs["ref_labels"], kwargs["ref_ids"], 2.0, 50.0, 0.5, 0.1, True,
+            False)
+    loss, stats = target.forward(x, *args)
+    grad = torch.randn(loss.shape, generator=torch.Generator().manual_seed(3)).to(loss.device)
+    full = target.backward(grad, stats, x, *args)
+    bank = target.backward(grad, stats, x, *args, False)
+    assert bank[1].numel() == 0 and full[1].shape == ref.shape and torch.equal(bank[0], full[0])
+    torch.library.opcheck(target.backward, (grad, stats, x, *args, False))
+    # through autograd, against the float64 reference
+    x = kwargs["embeddings"].clone().requires_grad_()
+    options = {k: kwargs[k] for k in ("labels", "ids", "ref_embeddings", "ref_labels", "ref_ids")}
+    multi_similarity_loss(x, backend=target.backend, **options).backward()
+    expected = kwargs["embeddings"].cpu().double().requires_grad_()
+    multi_similarity_loss(expected, backend="reference", **to(options, "cpu", torch.float64)).backward()
+    assert_close(x.grad, expected.grad, TOLERANCE[torch.float32])

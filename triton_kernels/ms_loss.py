@@ -434,9 +434,10 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
 
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
-                  mining, skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None):
-    """(grad_x, grad_ref or empty [0], launches that fill them). A gradient whose launch splits its
-    columns comes as float32 partials [splits, rows, D], to be summed over the first axis."""
+                  mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None):
+    """(grad_x, grad_ref or empty [0], launches that fill them); no dref launch without ref_grad.
+    A gradient whose launch splits its columns comes as float32 partials [splits, rows, D], to be
+    summed over the first axis."""
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
@@ -467,6 +468,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         grad_x, launch = grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), True, True)
         return grad_x, x.new_empty((0,)), [launch]
     grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False)
+    if not ref_grad:  # a memory bank: no gradient for it, and no launch
+        return grad_x, x.new_empty((0,)), [launch_x]
     grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
     return grad_x, grad_ref, [launch_x, launch_ref]
 
@@ -495,15 +498,17 @@ def triton_forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Te
 def triton_backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, labels: torch.Tensor,
                     ids: Optional[torch.Tensor], ref: Optional[torch.Tensor], ref_labels: Optional[torch.Tensor],
                     ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
-                    mining: bool, skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta,
-                            base, epsilon, mining, skip_incomplete_anchors)
+                    mining: bool, skip_incomplete_anchors: bool,
+                    ref_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    ref_grad = ref is not None and ref_grad
+    grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
+                            alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad)
 
     def unpadded(grad, like):  # split partials summed in order; the input's width and dtype (mixed dtypes ran promoted)
         grad = grad.sum(0) if grad.dim() == 3 else grad
         return grad[:, :like.shape[1]].to(like.dtype).contiguous()
 
-    return unpadded(grad_x, x), (grad_ref if ref is None else unpadded(grad_ref, ref))
+    return unpadded(grad_x, x), (unpadded(grad_ref, ref) if ref_grad else grad_ref)
 
 
 ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", triton_backward)

@@ -56,12 +56,12 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cuda(
     const at::Tensor& grad_loss, const at::Tensor& stats, const at::Tensor& x, const at::Tensor& labels,
     const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& ref_labels, const std::optional<at::Tensor>& ref_ids, double alpha, double beta,
-    double base, double epsilon, bool mining, bool skip_incomplete_anchors) {
+    double base, double epsilon, bool mining, bool skip_incomplete_anchors, bool ref_grad) {
   check_device(x, {{"grad_loss", &grad_loss}, {"stats", &stats}, {"labels", &labels}, {"ids", opt(ids)},
                    {"ref", opt(ref)}, {"ref_labels", opt(ref_labels)}, {"ref_ids", opt(ref_ids)}});
   const c10::cuda::CUDAGuard guard(x.device());
   return ms_loss_cuda_kernels::backward(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta,
-                                        base, epsilon, mining, skip_incomplete_anchors);
+                                        base, epsilon, mining, skip_incomplete_anchors, ref_grad);
 }
 
 }  // namespace

@@ -511,9 +511,10 @@ std::tuple<at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_loss, const at::Tensor& stats, const at::Tensor& x, const at::Tensor& labels,
     const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& ref_labels, const std::optional<at::Tensor>& ref_ids, double alpha, double beta,
-    double base, double epsilon, bool mining, bool skip_incomplete_anchors) {
+    double base, double epsilon, bool mining, bool skip_incomplete_anchors, bool ref_grad) {
   const Operands in = prepare(x, labels, ids, ref, ref_labels, ref_ids);
   const int64_t B = in.a.size(0);
+  const bool want_ref = !in.self_case && ref_grad;  // a memory bank takes no gradient: no dref launch
   TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == B && stats.dim() == 2 && stats.size(0) == 4 &&
                   stats.size(1) == B,
               "ms_loss_backward (CUDA): expected grad_loss [B] and stats [4, B] with B = ", B);
@@ -525,7 +526,7 @@ std::tuple<at::Tensor, at::Tensor> backward(
   const at::Tensor scale = grad / norm;
   const Params<float> p = make_params(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
   at::Tensor grad_a = at::empty_like(in.a);
-  at::Tensor grad_b = in.self_case ? at::empty({0}, x.options()) : at::empty_like(in.b);
+  at::Tensor grad_b = want_ref ? at::empty_like(in.b) : at::empty({0}, x.options());
   dispatch_dtype(in.a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if (in.self_case) {  // row block I builds G_IJ + G_JI^T itself
@@ -534,13 +535,14 @@ std::tuple<at::Tensor, at::Tensor> backward(
     } else {
       launch_backward<T, true, false>(in.a, in.a_labels, in.a_ids, in.b, in.b_labels, in.b_ids, st, scale, norm, p,
                                       grad_a);
-      launch_backward<T, false, true>(in.b, in.b_labels, in.b_ids, in.a, in.a_labels, in.a_ids, st, scale, norm, p,
-                                      grad_b);
+      if (want_ref)
+        launch_backward<T, false, true>(in.b, in.b_labels, in.b_ids, in.a, in.a_labels, in.a_ids, st, scale, norm,
+                                        p, grad_b);
     }
   });
   // back to the inputs' widths and dtypes (mixed dtypes ran promoted)
   at::Tensor grad_x = grad_a.narrow(1, 0, x.size(1)).to(x.scalar_type()).contiguous();
-  if (in.self_case) return {grad_x, grad_b};
+  if (!want_ref) return {grad_x, grad_b};
   return {grad_x, grad_b.narrow(1, 0, ref->size(1)).to(ref->scalar_type()).contiguous()};
 }
 
