@@ -336,6 +336,8 @@ def main():
     for batch, ref_rows in shapes:
         inputs = make_inputs(batch, args.dim, HARDNESS[args.hardness], ref_rows, args.device)
         mined = mined_fraction(*inputs)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()  # (its similarity block would hide free memory from predicted_skip)
         dtype = getattr(torch, args.dtype)
         inputs = tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in inputs)
         for provider in providers:

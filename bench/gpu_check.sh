@@ -7,15 +7,18 @@
 # tune (bench/tune_triton.py: the Triton tile sweep), bench (bench/benchmark.py for float16,
 # bfloat16 and float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
 # 1024 x 1048576, D = 512; BENCH_DTYPES picks dtypes), profile (Nsight Compute on one float16 step
-# of each fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt gets one line per step.
+# of each fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt
+# gets one line per step; the exit status is non-zero when a step failed.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
 DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench]}
 shift
 STEPS=${*:-build tests sanitize tune bench}  # profile: on request
-cd "$(dirname "$0")/.."
 mkdir -p "$DIR"
-DIR=$(cd "$DIR" && pwd)
+DIR=$(cd "$DIR" && pwd)  # (relative to the caller's directory)
+cd "$(dirname "$0")/.."
+: >"$DIR/summary.txt"
+failed=0
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_metric_learning" 2>/dev/null; then
@@ -28,6 +31,7 @@ run_step() {  # name, time limit (s), command...: log to DIR/name.log, one line 
   shift 2
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
   local rc=$?
+  [ $rc -eq 0 ] || failed=1
   echo "$name: exit $rc, $((SECONDS - start)) s" | tee -a "$DIR/summary.txt"
   tail -n 4 "$DIR/$name.log"
 }
@@ -62,15 +66,17 @@ for step in $STEPS; do
     done ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
-      run_step "profile-$backend" 300 ncu --clock-control none --kernel-name \
-        regex:"_mine_kernel|_lse_kernel|_finish_kernel|_grad_kernel|forward_kernel|backward_kernel" --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
-        --section LaunchStats --section WarpStateStats $PY -c "
+      run_step "profile-$backend" 300 ncu --clock-control none \
+        --kernel-name regex:"_mine_kernel|_lse_kernel|_finish_kernel|_grad_kernel|forward_kernel|backward_kernel" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats $PY -c "
 import torch, ms_loss_cuda
 x = torch.randn(16384, 512, device='cuda', dtype=torch.float16).requires_grad_()
 labels = torch.arange(16384, device='cuda') // 4
 ms_loss_cuda.multi_similarity_loss(x, labels, backend='$backend').backward()
 torch.cuda.synchronize()"
     done ;;
-  *) echo "unknown step $step" | tee -a "$DIR/summary.txt" ;;
+  *) echo "unknown step $step" | tee -a "$DIR/summary.txt"; failed=1 ;;
   esac
 done
+exit $failed  # non-zero when any step failed

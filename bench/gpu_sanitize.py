@@ -1,7 +1,7 @@
 """Small forward+backward cases of every GPU kernel, for compute-sanitizer (bench/gpu_check.sh runs
-this under memcheck, racecheck and synccheck): each dtype, the self and the reference-set case,
-mining on and off, partial row/column/K tiles (B = 97, R = 51, D = 130). Exits non-zero when a
-result is not finite.  Usage: python bench/gpu_sanitize.py --backend triton|cuda
+this under memcheck, racecheck and synccheck): each dtype, the self case, a reference set with
+and without a gradient (a memory bank takes none), mining on and off, partial row/column/K tiles
+and column splits (B = 97, R = 151, D = 130). Exits non-zero when a result is not finite.  Usage: python bench/gpu_sanitize.py --backend triton|cuda
 """
 import argparse
 
@@ -15,18 +15,18 @@ def main():
     parser.add_argument("--backend", required=True, choices=("triton", "cuda"))
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    batch, ref_rows, dim = 97, 51, 130
+    batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for with_ref in (False, True):
+        for with_ref in (False, True, "bank"):
             for mining in (True, False):
                 x = torch.randn(batch, dim, generator=gen).to("cuda", dtype).requires_grad_()
                 labels = torch.randint(0, 12, (batch,), generator=gen).cuda()
                 extra = {}
                 if with_ref:
-                    ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
+                    ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(with_ref is True)
                     extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())
                 loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=args.backend, **extra)
-                grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if with_ref else []))
+                grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if with_ref is True else []))
                 torch.cuda.synchronize()
                 finite = torch.isfinite(loss).item() and all(torch.isfinite(g).all().item() for g in grads)
                 print(f"{args.backend} {dtype} ref={with_ref} mining={mining}: loss {loss.item():.5f}"

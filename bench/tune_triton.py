@@ -14,7 +14,7 @@ import torch
 import ms_loss_cuda.triton_kernels.ms_loss as tk
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the forward kernels, and with BLOCK_D for the
-# backward: the shipped entry first, then neighbours.
+# backward: candidates around the table; the shipped entry (tile_config at D = 512) is put first.
 FORWARD = {
     "16-bit": [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
                (128, 128, 32, 8, 4), (64, 128, 64, 4, 3), (128, 64, 32, 4, 4), (256, 64, 64, 8, 3)],
@@ -87,6 +87,11 @@ def main():
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
                 if kind not in args.kinds:
                     continue
+                shipped = SHIPPED(kind, dtype, 512, False)
+                names = ("BLOCK_M", "BLOCK_N", "BLOCK_K") + (("BLOCK_D",) if kind == "backward" else ()) + \
+                    ("num_warps", "num_stages")
+                first = tuple(shipped[n] for n in names)
+                candidates = [first] + [c for c in candidates if c != first]
                 for values in candidates[:args.candidates]:
                     tk.tile_config = override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, kind=kind, config=values)

@@ -46,8 +46,8 @@ def _unavailable_reason(backend, device, dtype=None):
     if backend == "cuda":
         if not torch._C._dispatch_has_kernel_for_dispatch_key("ms_loss_cuda::ms_loss_forward", "CUDA"):
             return "the CUDA kernels were not built (install with a CUDA build of torch and nvcc)"
-        if device.type != "cuda":
-            return f"it takes CUDA tensors, got {device}"
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return f"it takes CUDA tensors on a visible GPU, got {device}"
         if torch.cuda.get_device_capability(device) < (8, 0):  # bfloat16 tensor cores, the built targets
             return f"it needs a GPU of compute capability 8.0 or newer, got {torch.cuda.get_device_capability(device)}"
         return None
@@ -59,6 +59,9 @@ def _unavailable_reason(backend, device, dtype=None):
             return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
         if device.type not in ("cpu", "cuda"):
             return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
+        if (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available()
+                and torch.cuda.get_device_capability(device) < (8, 0)):
+            return "bfloat16 needs a GPU of compute capability 8.0 or newer"
     return None
 
 
@@ -71,11 +74,16 @@ def available_backends(device="cpu"):
 _warned_fallback = False
 
 
-# Decided outside any torch.compile graph: Dynamo calls this at trace time and keeps the name it returns
-# (the checks query the dispatcher and import modules, which it cannot trace).
-@torch.compiler.assume_constant_result
 def _resolve_backend(backend, device, dtype):
-    _check_backend_name(backend)
+    _check_backend_name(backend)  # here, so that a bad name raises ValueError under torch.compile too
+    return _choose_backend(backend, device, dtype)
+
+
+# Decided outside any torch.compile graph: Dynamo calls this at trace time and keeps the name it returns
+# (the checks query the dispatcher and import modules, which it cannot trace). So a compiled function
+# keeps the backend, and the $MS_LOSS_BACKEND, of the time it was traced.
+@torch.compiler.assume_constant_result
+def _choose_backend(backend, device, dtype):
     if backend == "auto":
         backend = os.environ.get("MS_LOSS_BACKEND", "auto") or "auto"
         if backend not in BACKENDS:

@@ -293,3 +293,11 @@ def test_a_bank_that_takes_no_gradient_gets_none(target):
     expected = kwargs["embeddings"].cpu().double().requires_grad_()
     multi_similarity_loss(expected, backend="reference", **to(options, "cpu", torch.float64)).backward()
     assert_close(x.grad, expected.grad, TOLERANCE[torch.float32])
+
+
+def test_the_ops_refuse_keys_of_the_wrong_length(target):
+    # (the public API checks this first; the ops check again for direct calls)
+    x, labels = make_batch(16, 8, 3, dtype=torch.float32)
+    x, labels = F.normalize(x, dim=1).to(target.device), labels.to(target.device)
+    with pytest.raises((ValueError, RuntimeError), match="labels"):
+        target.forward(x, labels[:-1], None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)

@@ -1,0 +1,139 @@
+"""Retrieval metrics of an embedding: Recall@K (the MS and SOP papers' metric), precision@1, MAP@R
+and NMI, leave-one-out on one set or queries against a gallery.
+
+Similarity is cosine (rows are L2-normalised first), as the loss uses. The k nearest neighbours come
+from faiss (`IndexFlatIP`, exact) when it is installed, else from chunked torch products and top-k:
+neither ever holds the N x N similarity matrix. Leave-one-out excludes each query's own row by index,
+never by value, so duplicates of a query still count.
+"""
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["evaluate", "knn", "map_at_r", "nmi", "precision_at_1", "recall_at_k"]
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
+
+
+def _checked(embeddings, labels, name):
+    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [N, D], got {getattr(embeddings, 'shape', type(embeddings))}")
+    if not isinstance(labels, torch.Tensor) or labels.shape != (embeddings.shape[0],):
+        raise ValueError(f"{name} labels must have shape [{embeddings.shape[0]}], got {getattr(labels, 'shape', None)}")
+    return F.normalize(embeddings.detach().float(), dim=1).cpu(), labels.detach().cpu()
+
+
+def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=2048):
+    """(similarities, indices) [Q, k] of each query's k most similar gallery rows, most similar first
+    (rows already normalised). With leave_one_out the gallery is the query set and row i never
+    retrieves itself. use_faiss: None picks faiss when installed; True needs it; False uses torch."""
+    available = gallery.shape[0] - (1 if leave_one_out else 0)
+    if not 1 <= k <= available:
+        raise ValueError(f"k = {k} needs between 1 and {available} gallery rows per query (gallery of "
+                         f"{gallery.shape[0]}{', leave-one-out' if leave_one_out else ''})")
+    faiss = _faiss() if use_faiss in (None, True) else None
+    if use_faiss and faiss is None:
+        raise RuntimeError("use_faiss=True, but faiss is not installed (pip install faiss-cpu)")
+    search = k + 1 if leave_one_out else k
+    if faiss is not None:
+        index = faiss.IndexFlatIP(gallery.shape[1])
+        index.add(np.ascontiguousarray(gallery.numpy(), dtype=np.float32))
+        sims, ids = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), search)
+        sims, ids = torch.from_numpy(sims), torch.from_numpy(ids).long()
+    else:
+        parts = [torch.topk(queries[i:i + chunk] @ gallery.T, search, dim=1) for i in range(0, queries.shape[0], chunk)]
+        sims, ids = torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+    if leave_one_out:  # drop each query's own row, or the last neighbour where it was not found
+        own = ids == torch.arange(ids.shape[0])[:, None]
+        own[:, -1] |= ~own.any(dim=1)
+        keep = ~own
+        sims, ids = sims[keep].view(-1, k), ids[keep].view(-1, k)
+    return sims, ids
+
+
+def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss):
+    queries, query_labels = _checked(embeddings, labels, "embeddings")
+    if gallery is None:
+        _, ids = knn(queries, queries, k, leave_one_out=True, use_faiss=use_faiss)
+        return query_labels, query_labels[ids]
+    gallery, gallery_labels = _checked(gallery, gallery_labels, "gallery")
+    if gallery.shape[1] != queries.shape[1]:
+        raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
+    _, ids = knn(queries, gallery, k, use_faiss=use_faiss)
+    return query_labels, gallery_labels[ids]
+
+
+def _relevant_counts(query_labels, gallery_labels, leave_one_out):
+    """Per query, how many gallery rows share its label (itself excluded when leave-one-out)."""
+    values, counts = torch.unique(gallery_labels, return_counts=True)
+    position = torch.searchsorted(values, query_labels).clamp_max(values.numel() - 1)
+    found = torch.where(values[position] == query_labels, counts[position], 0)
+    return found - (1 if leave_one_out else 0)
+
+
+def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None):
+    """{k: fraction of queries with at least one row of their label among their k nearest}."""
+    ks = sorted(set(int(k) for k in ks))
+    query_labels, near = _neighbour_labels(embeddings, labels, gallery, gallery_labels, ks[-1], use_faiss)
+    hits = (near == query_labels[:, None]).cumsum(dim=1) > 0
+    return {k: hits[:, k - 1].float().mean().item() for k in ks}
+
+
+def precision_at_1(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss=None):
+    return recall_at_k(embeddings, labels, (1,), gallery=gallery, gallery_labels=gallery_labels,
+                       use_faiss=use_faiss)[1]
+
+
+def map_at_r(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss=None):
+    """MAP@R (Musgrave et al., 2020): R = the number of rows of the query's label in the gallery; the
+    mean over queries of (1/R) sum_{i <= R} precision@i over the relevant positions i. Queries with
+    R = 0 are left out."""
+    reference_labels = labels if gallery is None else gallery_labels
+    r = _relevant_counts(labels.detach().cpu(), reference_labels.detach().cpu(), gallery is None)
+    if int(r.max()) <= 0:
+        raise ValueError("MAP@R needs queries whose label occurs in the gallery")
+    query_labels, near = _neighbour_labels(embeddings, labels, gallery, gallery_labels, int(r.max()), use_faiss)
+    relevant = (near == query_labels[:, None]).float()
+    ranks = torch.arange(1, relevant.shape[1] + 1, dtype=torch.float32)
+    within_r = ranks[None, :] <= r[:, None]
+    precision = relevant.cumsum(dim=1) / ranks
+    ap = (precision * relevant * within_r).sum(dim=1) / r.clamp_min(1)
+    return ap[r > 0].mean().item()
+
+
+def nmi(embeddings, labels, *, seed=0):
+    """Normalised mutual information between the labels and a k-means clustering (k = number of
+    classes) of the normalised embeddings (faiss k-means with 5 restarts when installed, else
+    scikit-learn's k-means++ with 3)."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    x, labels = _checked(embeddings, labels, "embeddings")
+    classes = int(torch.unique(labels).numel())
+    faiss = _faiss()
+    if faiss is not None:
+        kmeans = faiss.Kmeans(x.shape[1], classes, niter=20, nredo=5, seed=seed, verbose=False)
+        kmeans.train(np.ascontiguousarray(x.numpy(), dtype=np.float32))
+        assignment = kmeans.index.search(np.ascontiguousarray(x.numpy(), dtype=np.float32), 1)[1][:, 0]
+    else:
+        from sklearn.cluster import KMeans
+
+        assignment = KMeans(n_clusters=classes, n_init=3, random_state=seed).fit_predict(x.numpy())
+    return float(normalized_mutual_info_score(labels.numpy(), assignment))
+
+
+def evaluate(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None,
+             with_nmi=False):
+    """All of the above in one dict: recall@k for each k, precision_at_1, map_at_r (and nmi)."""
+    common = dict(gallery=gallery, gallery_labels=gallery_labels, use_faiss=use_faiss)
+    results = {f"recall@{k}": v for k, v in recall_at_k(embeddings, labels, ks, **common).items()}
+    results["precision_at_1"] = results.get("recall@1", precision_at_1(embeddings, labels, **common))
+    results["map_at_r"] = map_at_r(embeddings, labels, **common)
+    if with_nmi:
+        results["nmi"] = nmi(embeddings, labels)
+    return results

@@ -1,0 +1,91 @@
+"""Cross-batch memory (XBM, Wang et al., CVPR 2020) for the fused MS loss: a ring buffer of the last
+`size` embeddings, never turned into a B x M matrix."""
+import torch
+import torch.nn.functional as F
+
+from .loss import multi_similarity_loss
+
+_LOSS_OPTIONS = ("alpha", "beta", "base", "epsilon", "mining", "normalize", "reduction", "skip_incomplete_anchors",
+                 "backend")
+
+
+class CrossBatchMemory(torch.nn.Module):
+    """`forward(embeddings, labels, ids)` -> MS(batch vs batch) + weight * MS(batch vs memory).
+
+    Each call first stores the detached batch in a ring buffer of the last `size` (embedding, label,
+    id) entries, then takes the memory term against everything stored, this batch included. Every
+    pair of equal id is skipped, in both terms: a sample's own copy, and its older copies from earlier
+    steps (pytorch-metric-learning and the XBM code count those as positives). The first `warmup`
+    calls neither store nor add the memory term (the XBM code's start iteration: early embeddings
+    drift too fast to be worth keeping). `loss_options` are those of `multi_similarity_loss`
+    (alpha, beta, base, epsilon, mining, normalize, reduction, skip_incomplete_anchors, backend).
+
+    The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
+    already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
+    (with the ring position and the call count), so a checkpoint resumes with it. The memory term
+    needs no gradient for the memory: the fused backends then skip that half of the backward.
+    """
+
+    def __init__(self, size, dim, *, weight=1.0, warmup=0, **loss_options):
+        super().__init__()
+        unknown = sorted(set(loss_options) - set(_LOSS_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown loss options {unknown}; CrossBatchMemory takes {_LOSS_OPTIONS}")
+        for name, value, ok in (("size", size, size >= 1), ("dim", dim, dim >= 1), ("warmup", warmup, warmup >= 0)):
+            if not isinstance(value, int) or not ok:
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'warmup' else 1}, got {value!r}")
+        if not weight >= 0:
+            raise ValueError(f"weight must be >= 0, got {weight}")
+        self.size, self.dim, self.weight, self.warmup = size, dim, float(weight), warmup
+        self.normalize = loss_options.pop("normalize", True)
+        self.loss_options = loss_options
+        self.register_buffer("embeddings", torch.zeros(size, dim))
+        self.register_buffer("labels", torch.zeros(size, dtype=torch.int64))
+        self.register_buffer("ids", torch.zeros(size, dtype=torch.int64))
+        self.position = self.filled = self.calls = 0  # host integers, saved through get_extra_state
+
+    def extra_repr(self):
+        return f"size={self.size}, dim={self.dim}, weight={self.weight}, warmup={self.warmup}, filled={self.filled}"
+
+    def get_extra_state(self):
+        return {"position": self.position, "filled": self.filled, "calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.position, self.filled, self.calls = state["position"], state["filled"], state["calls"]
+
+    def forward(self, embeddings, labels, ids):
+        if ids is None:
+            raise ValueError("CrossBatchMemory needs ids (one per sample, stable across steps): pairs of equal id "
+                             "are skipped, which is how a sample never meets its own stored copies")
+        if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
+            raise ValueError(f"embeddings must be [B, {self.dim}] for this memory, got {tuple(embeddings.shape)}")
+        x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
+        loss = multi_similarity_loss(x, labels, ids=ids, normalize=False, **self.loss_options)
+        term = self.memory_term(x, labels, ids, x, labels, ids)
+        return loss if term is None else loss + self.weight * term
+
+    def memory_term(self, x, labels, ids, rows, row_labels, row_ids, **loss_options):
+        """Stores `rows` (detached; this batch, or the global batch of several processes), then returns
+        the MS loss of the anchors `x` (normalised already when the memory normalises) against the
+        memory, or None during the warm-up calls. `loss_options` override the memory's own."""
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return None
+        self._enqueue(rows.detach(), row_labels, row_ids)
+        stored = slice(0, self.filled)
+        return multi_similarity_loss(x, labels, ids=ids, ref_embeddings=self.embeddings[stored],
+                                     ref_labels=self.labels[stored], ref_ids=self.ids[stored], normalize=False,
+                                     **dict(self.loss_options, **loss_options))
+
+    @torch.no_grad()
+    def _enqueue(self, x, labels, ids):
+        if self.embeddings.device != x.device or self.embeddings.dtype != x.dtype:
+            self.embeddings = self.embeddings.to(x.device, x.dtype)
+            self.labels, self.ids = self.labels.to(x.device), self.ids.to(x.device)
+        x, labels, ids = x[-self.size:], labels[-self.size:], ids[-self.size:]  # a batch larger than the memory
+        rows = (self.position + torch.arange(x.shape[0], device=x.device)) % self.size
+        self.embeddings.index_copy_(0, rows, x)
+        self.labels.index_copy_(0, rows, labels.to(self.labels.dtype))
+        self.ids.index_copy_(0, rows, ids.to(self.ids.dtype))
+        self.position = (self.position + x.shape[0]) % self.size
+        self.filled = min(self.filled + x.shape[0], self.size)

@@ -1,0 +1,92 @@
+"""Retrieval metrics: hand-computed cases, faiss against torch, and pytorch-metric-learning's
+AccuracyCalculator."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ms_loss_cuda import evaluation
+
+from conftest import make_batch
+
+try:
+    import faiss  # noqa: F401
+except ImportError:
+    faiss = None
+
+
+def test_hand_computed_recall_and_map():
+    # 1-D directions on a circle: each point's neighbours in order are known
+    angles = torch.tensor([0.0, 0.1, 0.3, 3.0, 3.1])
+    x = torch.stack([angles.cos(), angles.sin()], dim=1)
+    labels = torch.tensor([0, 0, 1, 1, 1])
+    # nearest of 0: 1 (hit); of 1: 0 (hit); of 2: 1 (miss), then 0 (miss), then 3; of 3: 4 (hit); of 4: 3 (hit)
+    recall = evaluation.recall_at_k(x, labels, ks=(1, 2, 3), use_faiss=False)
+    assert recall == {1: pytest.approx(4 / 5), 2: pytest.approx(4 / 5), 3: pytest.approx(1.0)}
+    # R: 1, 1, 2, 2, 2. AP@R: 1, 1, 0 (nothing relevant in its first 2), 1, 1
+    assert evaluation.map_at_r(x, labels, use_faiss=False) == pytest.approx(4 / 5)
+
+
+def test_leave_one_out_is_by_index_so_duplicates_count():
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    labels = torch.tensor([0, 0, 1, 1])
+    assert evaluation.recall_at_k(x, labels, ks=(1,), use_faiss=False)[1] == 1.0
+    _, ids = evaluation.knn(x, x, 1, leave_one_out=True, use_faiss=False)
+    assert ids.squeeze(1).tolist() == [1, 0, 3, 2]
+
+
+@pytest.mark.skipif(faiss is None, reason="faiss-cpu not installed")
+@pytest.mark.parametrize("leave_one_out", [True, False])
+def test_faiss_and_torch_agree(leave_one_out):
+    x, labels = make_batch(700, 24, 40, dtype=torch.float32, seed=3, spread=2.0)
+    queries = F.normalize(x, dim=1)
+    gallery = queries if leave_one_out else F.normalize(make_batch(500, 24, 40, dtype=torch.float32, seed=4)[0], dim=1)
+    sims_f, ids_f = evaluation.knn(queries, gallery, 50, leave_one_out=leave_one_out, use_faiss=True)
+    sims_t, ids_t = evaluation.knn(queries, gallery, 50, leave_one_out=leave_one_out, use_faiss=False, chunk=97)
+    torch.testing.assert_close(sims_f, sims_t, rtol=1e-5, atol=1e-5)
+    assert (ids_f == ids_t).float().mean() > 0.999  # equal up to exact ties
+    for use_faiss in (True, False):
+        assert evaluation.recall_at_k(x, labels, (1, 10, 100), use_faiss=use_faiss) == \
+            evaluation.recall_at_k(x, labels, (1, 10, 100), use_faiss=not use_faiss)
+
+
+@pytest.mark.parametrize("query_gallery", [False, True])
+def test_agrees_with_pytorch_metric_learning(query_gallery):
+    pytest.importorskip("pytorch_metric_learning")
+    from pytorch_metric_learning.distances import CosineSimilarity
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+    from pytorch_metric_learning.utils.inference import CustomKNN
+
+    x, labels = make_batch(600, 16, 50, dtype=torch.float32, seed=5, spread=1.5)
+    calculator = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count",
+                                    knn_func=CustomKNN(CosineSimilarity()))
+    if query_gallery:
+        queries, query_labels, gallery, gallery_labels = x[:200], labels[:200], x[200:], labels[200:]
+        theirs = calculator.get_accuracy(queries, query_labels, gallery, gallery_labels, ref_includes_query=False)
+        ours = evaluation.evaluate(queries, query_labels, ks=(1,), gallery=gallery, gallery_labels=gallery_labels,
+                                   use_faiss=False)
+    else:
+        theirs = calculator.get_accuracy(x, labels, x, labels, ref_includes_query=True)
+        ours = evaluation.evaluate(x, labels, ks=(1,), use_faiss=False)
+    assert ours["precision_at_1"] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
+    assert ours["map_at_r"] == pytest.approx(theirs["mean_average_precision_at_r"], abs=1e-6)
+
+
+@pytest.mark.parametrize("with_faiss", [pytest.param(True, marks=pytest.mark.skipif(faiss is None, reason="no faiss")),
+                                        False])
+def test_nmi_of_separated_classes_is_one(with_faiss, monkeypatch):
+    if not with_faiss:
+        monkeypatch.setattr(evaluation, "_faiss", lambda: None)
+    centres = torch.eye(8) * 10
+    labels = torch.arange(8).repeat_interleave(20)
+    x = centres[labels] + 0.01 * torch.randn(160, 8, generator=torch.Generator().manual_seed(0))
+    assert evaluation.nmi(x, labels) == pytest.approx(1.0)
+
+
+def test_bad_input():
+    x, labels = torch.randn(10, 4), torch.arange(10) % 3
+    with pytest.raises(ValueError, match="k = 10 needs between 1 and 9"):
+        evaluation.recall_at_k(x, labels, ks=(1, 10), use_faiss=False)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        evaluation.recall_at_k(x, labels[:5], ks=(1,))
+    with pytest.raises(ValueError, match="gallery D"):
+        evaluation.recall_at_k(x, labels, ks=(1,), gallery=torch.randn(5, 3), gallery_labels=torch.arange(5))

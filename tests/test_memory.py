@@ -1,0 +1,124 @@
+"""CrossBatchMemory against a memory kept by hand and the dense float64 reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ms_loss_cuda import CrossBatchMemory, available_backends, reference
+
+from conftest import assert_close
+
+BACKENDS = [b for b in ("cpu", "reference") if b in available_backends("cpu")]
+
+
+def batches(steps, batch, dim, samples, classes, seed=0):
+    """(embeddings, labels, ids) per step: samples drawn from a fixed pool, so ids come back across steps."""
+    gen = torch.Generator().manual_seed(seed)
+    pool_labels = torch.randint(0, classes, (samples,), generator=gen)
+    centres = torch.randn(classes, dim, generator=gen, dtype=torch.float64)
+    for _ in range(steps):
+        ids = torch.randperm(samples, generator=gen)[:batch]
+        x = centres[pool_labels[ids]] + torch.randn(batch, dim, generator=gen, dtype=torch.float64)
+        yield x, pool_labels[ids], ids
+
+
+def expected_loss(x, labels, ids, stored, weight, options):
+    """MS(batch vs batch) + weight * MS(batch vs stored rows), densely, pairs of equal id skipped."""
+    x = F.normalize(x, dim=1)
+    loss = reference.multi_similarity_loss(x, labels, ids=ids, **options)
+    if stored is None:
+        return loss
+    ref, ref_labels, ref_ids = stored
+    return loss + weight * reference.multi_similarity_loss(x, labels, ref, ref_labels, ids, ref_ids, **options)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_matches_a_memory_kept_by_hand(backend, reduction):
+    size, weight, warmup = 23, 0.7, 2
+    memory = CrossBatchMemory(size, 9, weight=weight, warmup=warmup, reduction=reduction, backend=backend,
+                              epsilon=0.2)
+    kept = []  # (row, label, id), oldest first
+    for step, (x, labels, ids) in enumerate(batches(7, 10, 9, samples=40, classes=6)):
+        x = x.requires_grad_()
+        loss = memory(x, labels, ids)
+        (grad,) = torch.autograd.grad(loss, x)
+        x_ref = x.detach().clone().requires_grad_()
+        stored = None
+        if step >= warmup:
+            kept = (kept + list(zip(F.normalize(x_ref.detach(), dim=1), labels, ids)))[-size:]
+            stored = tuple(torch.stack(column) for column in zip(*kept))
+        expected = expected_loss(x_ref, labels, ids, stored, weight, dict(reduction=reduction, epsilon=0.2))
+        (expected_grad,) = torch.autograd.grad(expected, x_ref)
+        assert memory.filled == len(kept)
+        assert_close(loss, expected, 1e-10)
+        assert_close(grad, expected_grad, 1e-10)
+    # the memory holds the same entries as the hand-kept list (ring order aside; ids may repeat)
+    def entries(rows, row_labels, row_ids):
+        return sorted((int(i), int(label), tuple(round(v, 9) for v in row.tolist()))
+                      for row, label, i in zip(rows, row_labels, row_ids))
+
+    assert entries(memory.embeddings, memory.labels, memory.ids) == entries(*zip(*kept))
+
+
+def test_a_sample_never_meets_its_stored_copies():
+    # one sample seen twice: with its id, the second step's memory term skips its older copy,
+    # which would otherwise be the easiest positive (similarity ~1)
+    memory = CrossBatchMemory(8, 4, mining=False, backend="reference")
+    x = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]], dtype=torch.float64)
+    labels, ids = torch.tensor([0, 1]), torch.tensor([5, 6])
+    memory(x, labels, ids)
+    second = memory(x + 0.01, labels, ids)
+    batch_only = reference.multi_similarity_loss(F.normalize(x + 0.01, dim=1), labels, ids=ids, mining=False)
+    stored = (F.normalize(torch.cat([x, x + 0.01]), dim=1), labels.repeat(2), ids.repeat(2))
+    with_ids = batch_only + reference.multi_similarity_loss(F.normalize(x + 0.01, dim=1), labels, *stored[:2], ids,
+                                                            stored[2], mining=False)
+    torch.testing.assert_close(second, with_ids)
+    assert memory.filled == 4
+
+
+def test_state_dict_resumes_with_the_memory():
+    data = list(batches(5, 6, 5, samples=30, classes=4, seed=2))
+    memory = CrossBatchMemory(16, 5, warmup=1, backend="reference")
+    for x, labels, ids in data[:3]:
+        memory(x, labels, ids)
+    resumed = CrossBatchMemory(16, 5, warmup=1, backend="reference")
+    resumed.load_state_dict(memory.state_dict())
+    assert (resumed.position, resumed.filled, resumed.calls) == (memory.position, memory.filled, memory.calls)
+    for x, labels, ids in data[3:]:
+        torch.testing.assert_close(resumed(x, labels, ids), memory(x, labels, ids))
+
+
+def test_batch_larger_than_the_memory_keeps_its_last_rows():
+    memory = CrossBatchMemory(4, 3, backend="reference")
+    x, labels, ids = next(batches(1, 10, 3, samples=10, classes=3))
+    memory(x, labels, ids)
+    assert memory.filled == 4 and sorted(memory.ids.tolist()) == sorted(ids[-4:].tolist())
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the fused CPU kernel")
+def test_a_large_memory_runs_fused():
+    memory = CrossBatchMemory(65536, 16, backend="cpu")
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        x = torch.randn(4096 if step < 2 else 64, 16, generator=gen).requires_grad_()
+        labels = torch.randint(0, 500, (x.shape[0],), generator=gen)
+        ids = torch.randint(0, 10**6, (x.shape[0],), generator=gen)
+        loss = memory(x, labels, ids)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    assert memory.filled == 2 * 4096 + 64
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="size"):
+        CrossBatchMemory(0, 4)
+    with pytest.raises(ValueError, match="weight"):
+        CrossBatchMemory(4, 4, weight=-1)
+    with pytest.raises(TypeError, match="unknown loss options"):
+        CrossBatchMemory(4, 4, alhpa=2)
+    memory = CrossBatchMemory(4, 4)
+    x, labels = torch.randn(3, 4), torch.tensor([0, 1, 0])
+    with pytest.raises(ValueError, match="ids"):
+        memory(x, labels, None)
+    with pytest.raises(ValueError, match=r"\[B, 4\]"):
+        memory(torch.randn(3, 5), labels, torch.arange(3))
