@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["evaluate", "knn", "map_at_r", "nmi", "precision_at_1", "recall_at_k"]
+QUERY_CHUNK = 4096  # queries searched at a time: bounds the memory by QUERY_CHUNK x (N + k)
 
 
 def _faiss():
@@ -29,44 +30,60 @@ def _checked(embeddings, labels, name):
     return F.normalize(embeddings.detach().float(), dim=1).cpu(), labels.detach().cpu()
 
 
-def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=2048):
-    """(similarities, indices) [Q, k] of each query's k most similar gallery rows, most similar first
-    (rows already normalised). With leave_one_out the gallery is the query set and row i never
-    retrieves itself. use_faiss: None picks faiss when installed; True needs it; False uses torch."""
+def _searcher(gallery, use_faiss):
+    """search(queries, k) -> (similarities, indices) [Q, k] against `gallery`: faiss's exact inner-product
+    index when installed (and use_faiss is not False), else a torch product and top-k."""
+    faiss = _faiss() if use_faiss in (None, True) else None
+    if use_faiss and faiss is None:
+        raise RuntimeError("use_faiss=True, but faiss is not installed (pip install faiss-cpu)")
+    if faiss is None:
+        return lambda queries, k: torch.topk(queries @ gallery.T, k, dim=1)
+    index = faiss.IndexFlatIP(gallery.shape[1])
+    index.add(np.ascontiguousarray(gallery.numpy(), dtype=np.float32))
+
+    def search(queries, k):
+        sims, ids = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k)
+        return torch.from_numpy(sims), torch.from_numpy(ids).long()
+
+    return search
+
+
+def _knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk):
+    """Yields (first query row, similarities, indices) chunk after chunk of queries: nothing of size
+    N x N, nor N x k, is ever held."""
     available = gallery.shape[0] - (1 if leave_one_out else 0)
     if not 1 <= k <= available:
         raise ValueError(f"k = {k} needs between 1 and {available} gallery rows per query (gallery of "
                          f"{gallery.shape[0]}{', leave-one-out' if leave_one_out else ''})")
-    faiss = _faiss() if use_faiss in (None, True) else None
-    if use_faiss and faiss is None:
-        raise RuntimeError("use_faiss=True, but faiss is not installed (pip install faiss-cpu)")
-    search = k + 1 if leave_one_out else k
-    if faiss is not None:
-        index = faiss.IndexFlatIP(gallery.shape[1])
-        index.add(np.ascontiguousarray(gallery.numpy(), dtype=np.float32))
-        sims, ids = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), search)
-        sims, ids = torch.from_numpy(sims), torch.from_numpy(ids).long()
-    else:
-        parts = [torch.topk(queries[i:i + chunk] @ gallery.T, search, dim=1) for i in range(0, queries.shape[0], chunk)]
-        sims, ids = torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
-    if leave_one_out:  # drop each query's own row, or the last neighbour where it was not found
-        own = ids == torch.arange(ids.shape[0])[:, None]
-        own[:, -1] |= ~own.any(dim=1)
-        keep = ~own
-        sims, ids = sims[keep].view(-1, k), ids[keep].view(-1, k)
-    return sims, ids
+    search = _searcher(gallery, use_faiss)
+    for start in range(0, queries.shape[0], chunk):
+        sims, ids = search(queries[start:start + chunk], k + 1 if leave_one_out else k)
+        if leave_one_out:  # drop each query's own row, or the last neighbour where it was not found
+            own = ids == torch.arange(start, start + ids.shape[0])[:, None]
+            own[:, -1] |= ~own.any(dim=1)
+            sims, ids = sims[~own].view(-1, k), ids[~own].view(-1, k)
+        yield start, sims, ids
+
+
+def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None):
+    """(similarities, indices) [Q, k] of each query's k most similar gallery rows, most similar first
+    (rows already normalised). With leave_one_out the gallery is the query set and row i never
+    retrieves itself. use_faiss: None picks faiss when installed; True needs it; False uses torch."""
+    parts = list(_knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk or QUERY_CHUNK))
+    return torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
 
 def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss):
+    """Yields (query labels, labels of their k nearest gallery rows) chunk after chunk of queries."""
     queries, query_labels = _checked(embeddings, labels, "embeddings")
     if gallery is None:
-        _, ids = knn(queries, queries, k, leave_one_out=True, use_faiss=use_faiss)
-        return query_labels, query_labels[ids]
-    gallery, gallery_labels = _checked(gallery, gallery_labels, "gallery")
-    if gallery.shape[1] != queries.shape[1]:
-        raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
-    _, ids = knn(queries, gallery, k, use_faiss=use_faiss)
-    return query_labels, gallery_labels[ids]
+        gallery, gallery_labels = queries, query_labels
+    else:
+        gallery, gallery_labels = _checked(gallery, gallery_labels, "gallery")
+        if gallery.shape[1] != queries.shape[1]:
+            raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
+    for start, _, ids in _knn_chunks(queries, gallery, k, gallery is queries, use_faiss, QUERY_CHUNK):
+        yield query_labels[start:start + ids.shape[0]], gallery_labels[ids]
 
 
 def _relevant_counts(query_labels, gallery_labels, leave_one_out):
@@ -80,9 +97,12 @@ def _relevant_counts(query_labels, gallery_labels, leave_one_out):
 def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None):
     """{k: fraction of queries with at least one row of their label among their k nearest}."""
     ks = sorted(set(int(k) for k in ks))
-    query_labels, near = _neighbour_labels(embeddings, labels, gallery, gallery_labels, ks[-1], use_faiss)
-    hits = (near == query_labels[:, None]).cumsum(dim=1) > 0
-    return {k: hits[:, k - 1].float().mean().item() for k in ks}
+    found = torch.zeros(len(ks), dtype=torch.int64)
+    for query_labels, near in _neighbour_labels(embeddings, labels, gallery, gallery_labels, ks[-1], use_faiss):
+        first_hit = torch.where((near == query_labels[:, None]).any(dim=1),
+                                (near == query_labels[:, None]).int().argmax(dim=1), ks[-1])
+        found += (first_hit[:, None] < torch.tensor(ks)[None, :]).sum(dim=0)
+    return {k: found[i].item() / embeddings.shape[0] for i, k in enumerate(ks)}
 
 
 def precision_at_1(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss=None):
@@ -98,13 +118,15 @@ def map_at_r(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss
     r = _relevant_counts(labels.detach().cpu(), reference_labels.detach().cpu(), gallery is None)
     if int(r.max()) <= 0:
         raise ValueError("MAP@R needs queries whose label occurs in the gallery")
-    query_labels, near = _neighbour_labels(embeddings, labels, gallery, gallery_labels, int(r.max()), use_faiss)
-    relevant = (near == query_labels[:, None]).float()
-    ranks = torch.arange(1, relevant.shape[1] + 1, dtype=torch.float32)
-    within_r = ranks[None, :] <= r[:, None]
-    precision = relevant.cumsum(dim=1) / ranks
-    ap = (precision * relevant * within_r).sum(dim=1) / r.clamp_min(1)
-    return ap[r > 0].mean().item()
+    ranks = torch.arange(1, int(r.max()) + 1, dtype=torch.float32)
+    total, start = 0.0, 0
+    for query_labels, near in _neighbour_labels(embeddings, labels, gallery, gallery_labels, int(r.max()), use_faiss):
+        r_chunk = r[start:start + near.shape[0]]
+        start += near.shape[0]
+        relevant = (near == query_labels[:, None]).float() * (ranks[None, :] <= r_chunk[:, None])
+        precision = relevant.cumsum(dim=1) / ranks
+        total += ((precision * relevant).sum(dim=1) / r_chunk.clamp_min(1)).sum().item()
+    return total / int((r > 0).sum())
 
 
 def nmi(embeddings, labels, *, seed=0):

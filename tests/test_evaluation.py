@@ -50,8 +50,9 @@ def test_faiss_and_torch_agree(leave_one_out):
 
 
 @pytest.mark.parametrize("query_gallery", [False, True])
-def test_agrees_with_pytorch_metric_learning(query_gallery):
+def test_agrees_with_pytorch_metric_learning(query_gallery, monkeypatch):
     pytest.importorskip("pytorch_metric_learning")
+    monkeypatch.setattr(evaluation, "QUERY_CHUNK", 37)  # several chunks of queries, the last one partial
     from pytorch_metric_learning.distances import CosineSimilarity
     from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
     from pytorch_metric_learning.utils.inference import CustomKNN
