@@ -7,9 +7,8 @@ loss on the concatenated batch. The value returned on every rank is that single-
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .loss import multi_similarity_loss as _multi_similarity_loss
+from .loss import multi_similarity_loss as _multi_similarity_loss, unit_rows
 
 __all__ = ["gather", "multi_similarity_loss"]
 
@@ -86,8 +85,8 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
     everyone, all_labels, all_ids, ids = gather(embeddings, labels, ids)
     total = everyone.shape[0]
     normalize = loss_options.pop("normalize", True)
-    x = F.normalize(embeddings, dim=1) if normalize else embeddings
-    everyone = F.normalize(everyone, dim=1) if normalize else everyone
+    x = unit_rows(embeddings) if normalize else embeddings
+    everyone = unit_rows(everyone) if normalize else everyone
     own = _multi_similarity_loss(x, labels, ids=ids, ref_embeddings=everyone, ref_labels=all_labels,
                                  ref_ids=all_ids, normalize=False, **dict(loss_options, reduction="sum"))
     if memory is not None:

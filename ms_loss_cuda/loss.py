@@ -4,7 +4,6 @@ import os
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from . import ops, reference
 
@@ -168,6 +167,14 @@ def _check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
 
 
 # ---- the call path ----------------------------------------------------------------------------
+def unit_rows(t):
+    """Rows scaled to unit L2 norm, in t's own dtype. Under CUDA autocast F.normalize returns float32
+    (its norm is an autocast float32 op), which would send 16-bit embeddings to the float32 kernels;
+    here only the norm is float32 (float64 for float64), the rows keep their dtype."""
+    norm = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32))
+    return t / norm.clamp_min(1e-12).to(t.dtype)
+
+
 def _nan_if_nonfinite(loss, *inputs):
     """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number)."""
     finite = torch.isfinite(inputs[0]).all()
@@ -231,8 +238,8 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device, embeddings.dtype)
     x, ref = embeddings, ref_embeddings
     if normalize:
-        x = F.normalize(x, dim=1)
-        ref = None if ref is None else F.normalize(ref, dim=1)
+        x = unit_rows(x)
+        ref = None if ref is None else unit_rows(ref)
     if masks is not None:
         losses = reference.multi_similarity_loss(x, labels, ref, reduction="none", masks=masks, **options)
     else:

@@ -1,9 +1,8 @@
 """Cross-batch memory (XBM, Wang et al., CVPR 2020) for the fused MS loss: a ring buffer of the last
 `size` embeddings, never turned into a B x M matrix."""
 import torch
-import torch.nn.functional as F
 
-from .loss import multi_similarity_loss
+from .loss import multi_similarity_loss, unit_rows
 
 _LOSS_OPTIONS = ("alpha", "beta", "base", "epsilon", "mining", "normalize", "reduction", "skip_incomplete_anchors",
                  "backend")
@@ -59,7 +58,7 @@ class CrossBatchMemory(torch.nn.Module):
                              "are skipped, which is how a sample never meets its own stored copies")
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"embeddings must be [B, {self.dim}] for this memory, got {tuple(embeddings.shape)}")
-        x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
+        x = unit_rows(embeddings) if self.normalize else embeddings
         loss = multi_similarity_loss(x, labels, ids=ids, normalize=False, **self.loss_options)
         term = self.memory_term(x, labels, ids, x, labels, ids)
         return loss if term is None else loss + self.weight * term

@@ -149,3 +149,29 @@ def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):
     reasons.update(triton="no triton")
     assert api._resolve_backend("auto", cuda, torch.float16) == "reference"
     assert api._resolve_backend("auto", cuda, torch.float64) == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_unit_rows_is_normalize_in_the_input_dtype(dtype):
+    from ms_loss_cuda.loss import unit_rows
+
+    x = torch.randn(9, 5, dtype=torch.float64).to(dtype)
+    x[3] = 0  # the all-zero row stays zero, as with F.normalize
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    mine, theirs = unit_rows(a), torch.nn.functional.normalize(b, dim=1)
+    assert mine.dtype == dtype
+    torch.testing.assert_close(mine, theirs)
+    weights = torch.randn(9, 5, dtype=torch.float64).to(dtype)
+    (mine * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    loose = dict(rtol=2e-2, atol=1e-2) if dtype == torch.bfloat16 else {}  # (the norm is float32 here)
+    torch.testing.assert_close(a.grad, b.grad, **loose)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a GPU")
+def test_16_bit_embeddings_stay_16_bit_under_autocast():
+    from ms_loss_cuda.loss import unit_rows
+
+    x = torch.randn(8, 16, device="cuda", dtype=torch.float16)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert unit_rows(x).dtype == torch.float16  # (F.normalize gives float32 here)
