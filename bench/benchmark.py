@@ -106,6 +106,15 @@ def _rss_kib(field):
         return next(int(line.split()[1]) for line in status if line.startswith(field))
 
 
+def track_peak_rss():
+    """Resets this process's resident high-water mark (/proc/self/clear_refs) and returns a function
+    that gives the peak since then, in MiB above the resident size now."""
+    base_kib = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return lambda: (_rss_kib("VmHWM") - base_kib) / 1024
+
+
 def measure_cpu(provider, batch, args):
     """Run in a fresh process (see run_worker): peak resident memory above the inputs."""
     import torch
@@ -113,13 +122,11 @@ def measure_cpu(provider, batch, args):
     x0, labels, _, _ = make_inputs(batch, args.dim, HARDNESS[args.hardness])
     x = x0.to(getattr(torch, args.dtype)).requires_grad_()
     step = step_function(provider, labels)
-    base_kib = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset the high-water mark
+    peak_rss_mib = track_peak_rss()
     start = time.perf_counter()
     step(x)  # also the warm-up
     first = time.perf_counter() - start
-    peak_mib = (_rss_kib("VmHWM") - base_kib) / 1024
+    peak_mib = peak_rss_mib()
     times = []
     while len(times) < args.repeats and sum(times) + first < args.max_seconds:
         x.grad = None

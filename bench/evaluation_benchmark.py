@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from benchmark import track_peak_rss  # (bench/ is on the path of a script run from it)
+
 
 def measure(use_faiss, rows, dim):
     import torch
@@ -20,18 +22,11 @@ def measure(use_faiss, rows, dim):
     gen = torch.Generator().manual_seed(0)
     labels = torch.arange(rows) // 5
     x = torch.randn(rows // 5 + 1, dim, generator=gen)[labels] + 2.5 * torch.randn(rows, dim, generator=gen)
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    base = _kib("VmRSS")
+    peak_rss_mib = track_peak_rss()
     start = time.perf_counter()
     scores = evaluation.evaluate(x, labels, ks=(1, 10, 100, 1000), use_faiss=use_faiss)
     seconds = time.perf_counter() - start
-    return dict(scores, seconds=seconds, peak_extra_mib=(_kib("VmHWM") - base) / 1024, threads=torch.get_num_threads())
-
-
-def _kib(field):
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field))
+    return dict(scores, seconds=seconds, peak_extra_mib=peak_rss_mib(), threads=torch.get_num_threads())
 
 
 def main():

@@ -10,12 +10,8 @@ import time
 
 import torch
 
+from benchmark import track_peak_rss  # (bench/ is on the path of a script run from it)
 from ms_loss_cuda import CrossBatchMemory
-
-
-def _kib(field):
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field))
 
 
 def main():
@@ -35,12 +31,10 @@ def main():
     x = torch.randn(args.batch, args.dim, generator=gen).requires_grad_()
     labels = torch.randint(0, classes, (args.batch,), generator=gen)
     ids = torch.arange(args.size, args.size + args.batch)
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    base = _kib("VmRSS")
+    peak_rss_mib = track_peak_rss()
     start = time.perf_counter()
     memory(x, labels, ids).backward()
-    result = dict(vars(args), seconds=time.perf_counter() - start, peak_extra_mib=(_kib("VmHWM") - base) / 1024,
+    result = dict(vars(args), seconds=time.perf_counter() - start, peak_extra_mib=peak_rss_mib(),
                   threads=torch.get_num_threads(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     print(result)
     os.makedirs(args.out, exist_ok=True)

@@ -3,9 +3,9 @@
 import torch
 
 from .loss import multi_similarity_loss, unit_rows
+from .ops import HYPER_PARAMETERS
 
-_LOSS_OPTIONS = ("alpha", "beta", "base", "epsilon", "mining", "normalize", "reduction", "skip_incomplete_anchors",
-                 "backend")
+_LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 
 
 class CrossBatchMemory(torch.nn.Module):

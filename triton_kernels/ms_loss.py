@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .. import ops
+from ..loss import _check_inputs
 
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -354,23 +355,12 @@ def _int32_keys(a, b):
     return (ranks, ranks) if a is b else (ranks[:a.shape[0]], ranks[a.shape[0]:])
 
 
-def _check_operands(x, labels, ids, ref, ref_labels, ref_ids):
-    """What the public API checks, again for direct calls of the ops: a wrong length would read out of
-    bounds, a tensor on another device hand the kernel a foreign pointer."""
-    rows = {"labels": x.shape[0], "ids": x.shape[0]}
-    if ref is not None:
-        rows.update(ref_labels=ref.shape[0], ref_ids=ref.shape[0])
-        if ref.device != x.device or ref.dim() != 2 or ref.shape[1] != x.shape[1]:
-            raise ValueError(f"ref {tuple(ref.shape)} on {ref.device} must be [R, {x.shape[1]}] on {x.device}")
-    for name, t in (("labels", labels), ("ids", ids), ("ref_labels", ref_labels), ("ref_ids", ref_ids)):
-        if t is not None and (t.shape != (rows.get(name, -1),) or t.device != x.device):
-            raise ValueError(f"{name} {tuple(t.shape)} on {t.device} must be [{rows.get(name)}] on {x.device}")
-
-
 def _operands(x, labels, ids, ref, ref_labels, ref_ids):
     """Aligned rows of one dtype and int32 keys of both ends (`_int32_keys`); default identities
     never collide across ends (self case: the row index, so the diagonal is skipped)."""
-    _check_operands(x, labels, ids, ref, ref_labels, ref_ids)
+    # the public API's checks, again for direct calls of the op: a wrong length would read out of
+    # bounds, a tensor on another device hand the kernel a foreign pointer
+    _check_inputs(x, labels, ref, ref_labels, ids, ref_ids)
     batch = x.shape[0]
     dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
     x = _aligned_rows(x, dtype)
