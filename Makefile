@@ -1,12 +1,13 @@
 # The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark;
-# `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a machine with a GPU).
+# `make train-demo`: a few minutes of training on CPU; `make experiment`: the kanji batch-size
+# experiment, tens of minutes; `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a GPU).
 # Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo bench build venv clean gpu-check
+.PHONY: test demo bench build venv clean gpu-check train-demo experiment
 
 # A torch that $(PYTHON) already has (a GPU user's own build) is reused through the system
 # site-packages; otherwise the venv gets the pinned CPU build.
@@ -37,9 +38,17 @@ demo: build
 bench: build
 	$(PY) bench/benchmark.py --sizes 1024 4096 8192 16384 65536 --out bench/results/cpu
 
+# Trains the small convnet on rendered kanji (SOP's protocol: unseen classes at test) and prints
+# Recall@K before and after.
+train-demo: build
+	$(PY) -m ms_loss_cuda.train --steps 400 --batch-size 256 --eval-every 100 --out runs/train-demo
+
+experiment: build
+	$(PY) bench/kanji_experiment.py --out bench/results/experiment
+
 # Builds into the python3 on PATH (a CUDA build of torch, triton and nvcc), not into .venv.
 gpu-check:
 	PYTHON=$(PYTHON) bench/gpu_check.sh $(or $(DIR),bench/results/gpu/latest)
 
 clean:
-	rm -rf build *.egg-info ms_loss_cuda/*.so $(VENV)
+	rm -rf build *.egg-info ms_loss_cuda/*.so $(VENV) runs

@@ -53,10 +53,15 @@ setup(
     name="ms-loss-cuda",
     version="0.1.0",
     description="Fused Multi-Similarity loss for PyTorch: reference, CPU, Triton and CUDA backends",
-    packages=["ms_loss_cuda", "ms_loss_cuda.triton_kernels"],
+    packages=["ms_loss_cuda", "ms_loss_cuda.train", "ms_loss_cuda.triton_kernels"],
     package_dir={"ms_loss_cuda.triton_kernels": "triton_kernels"},
     ext_modules=[extension],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
+    extras_require={  # the loss needs torch alone; evaluation and the training command need more
+        "eval": ["numpy", "scikit-learn", "faiss-cpu"],
+        "train": ["numpy", "scikit-learn", "faiss-cpu", "pillow", "tqdm", "matplotlib", "kanjivg"],
+    },
+    entry_points={"console_scripts": ["ms-loss-train = ms_loss_cuda.train.__main__:main"]},
 )

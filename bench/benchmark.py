@@ -58,26 +58,6 @@ def make_inputs(batch, dim, noise=HARDNESS["typical"], ref_rows=None, device="cp
     return x, labels, ref, ref_labels
 
 
-def mined_fraction(x, labels, ref=None, ref_labels=None, anchors=256, epsilon=0.1):
-    """Kept pairs over all pairs of distinct identity after the MS miner, on the first anchors."""
-    import torch
-    import torch.nn.functional as F
-
-    from ms_loss_cuda import reference
-
-    n = min(anchors, x.shape[0])
-    a = F.normalize(x[:n].float(), dim=1)
-    b = F.normalize((x if ref is None else ref).float(), dim=1)
-    s = a @ b.T
-    rows = torch.arange(n, device=x.device)
-    ids, ref_ids = (rows, torch.arange(b.shape[0], device=x.device)) if ref is None else (None, None)
-    pos, neg = reference.pair_masks(labels[:n], labels if ref is None else ref_labels, ids, ref_ids)
-    minpos = torch.where(pos, s, float("inf")).amin(dim=1, keepdim=True)
-    maxneg = torch.where(neg, s, float("-inf")).amax(dim=1, keepdim=True)
-    kept = (pos & (s - epsilon < maxneg)) | (neg & (s + epsilon > minpos))
-    return kept.sum().item() / max((pos | neg).sum().item(), 1)
-
-
 def step_function(provider, labels, ref=None, ref_labels=None):
     """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`)."""
     if provider == "floor":
@@ -337,12 +317,14 @@ def main():
 
     import torch
 
+    from ms_loss_cuda import reference
+
     info = machine_info()
     print(f"machine: {info}", flush=True)
     rows, last = [], {}
     for batch, ref_rows in shapes:
         inputs = make_inputs(batch, args.dim, HARDNESS[args.hardness], ref_rows, args.device)
-        mined = mined_fraction(*inputs)
+        mined = reference.mined_fraction(*inputs)
         if args.device == "cuda":
             torch.cuda.empty_cache()  # (its similarity block would hide free memory from predicted_skip)
         dtype = getattr(torch, args.dtype)

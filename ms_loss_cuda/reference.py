@@ -7,7 +7,7 @@ and in pytorch-metric-learning. Inputs are used as given (the public API normali
 """
 import torch
 
-__all__ = ["multi_similarity_loss", "pair_masks"]
+__all__ = ["mined_fraction", "multi_similarity_loss", "pair_masks"]
 
 
 def pair_masks(labels, ref_labels, ids=None, ref_ids=None):
@@ -92,3 +92,21 @@ def reduce_losses(losses, reduction):
         return losses
     total = losses.sum()
     return total / max(losses.shape[0], 1) if reduction == "mean" else total
+
+
+@torch.no_grad()
+def mined_fraction(x, labels, ref_x=None, ref_labels=None, ids=None, ref_ids=None, *, epsilon=0.1, anchors=256):
+    """The share of pairs the MS miner keeps: kept pairs over all pairs of distinct identity, counted
+    densely for the first `anchors` rows (x and ref_x are normalised here). How hard a batch is."""
+    n = min(anchors, x.shape[0])
+    a = torch.nn.functional.normalize(x[:n].float(), dim=1)
+    b = torch.nn.functional.normalize((x if ref_x is None else ref_x).float(), dim=1)
+    s = a @ b.T
+    if ref_x is None:  # the self case: identities default to positions, so the diagonal is skipped
+        ids = torch.arange(x.shape[0], device=x.device) if ids is None else ids
+        ref_labels, ref_ids = labels, ids
+    pos, neg = pair_masks(labels[:n], ref_labels, None if ids is None else ids[:n], ref_ids)
+    minpos = _masked_extreme(s, pos, largest=False)[:, None]
+    maxneg = _masked_extreme(s, neg, largest=True)[:, None]
+    kept = (pos & (s - epsilon < maxneg)) | (neg & (s + epsilon > minpos))
+    return kept.sum().item() / max((pos | neg).sum().item(), 1)

@@ -1,0 +1,63 @@
+"""Batches larger than the device's activation memory: embedding-gradient caching (GradCache, Gao et
+al. 2021). The loss needs every embedding of the batch at once, but the encoder's activations only
+chunk by chunk: encode the batch in chunks without a graph, take the loss and its gradient with
+respect to all embeddings, then encode each chunk again with a graph and back-propagate its slice of
+that gradient. Memory: one chunk's activations plus the [B, D] embeddings, for a second forward pass.
+
+The parameter gradients equal those of the plain step whenever encoding a chunk does not depend on
+the rest of the batch: batch-norm in eval mode (frozen, as the MS authors train) or no batch-norm.
+With batch-norm in training mode each chunk is normalised by its own statistics (in both passes, so
+the gradient is still the exact one of that chunked forward). Random operations inside the encoder
+(dropout) replay the same random numbers in both passes.
+"""
+import contextlib
+
+import torch
+
+__all__ = ["cached_step"]
+
+
+def _rng_states(device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _replay(states, device):
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1], device)
+        yield
+
+
+def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None):
+    """One step's forward and backward with embedding-gradient caching; returns (loss detached,
+    embeddings detached [B, D]). Parameter gradients accumulate into `.grad` as `loss.backward()`
+    would; call the optimizer afterwards.
+
+    encode: inputs[i:j] -> embeddings [j - i, D] (the model, under autocast if wanted).
+    inputs: a tensor (or anything sliceable with a length) of the whole batch.
+    loss_fn: embeddings [B, D] -> scalar loss (labels, memory and distributed gathering are its business).
+    no_sync: for DistributedDataParallel, `model.no_sync`: the gradient all-reduce then runs once, in
+    the last chunk's backward, instead of once per chunk.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    starts = range(0, len(inputs), chunk_size)
+    device = inputs.device if isinstance(inputs, torch.Tensor) else torch.device("cpu")
+    states, parts = [], []
+    with torch.no_grad():
+        for start in starts:
+            states.append(_rng_states(device))
+            parts.append(encode(inputs[start:start + chunk_size]))
+    embeddings = torch.cat(parts).detach().requires_grad_()
+    loss = loss_fn(embeddings)
+    (grad,) = torch.autograd.grad(loss, embeddings)
+    for number, (start, state) in enumerate(zip(starts, states)):
+        last = number == len(starts) - 1
+        with (contextlib.nullcontext() if last or no_sync is None else no_sync()):
+            with _replay(state, device):
+                again = encode(inputs[start:start + chunk_size])
+            again.backward(grad[start:start + chunk_size].to(again.dtype))
+    return loss.detach(), embeddings.detach()

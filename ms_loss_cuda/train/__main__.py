@@ -1,0 +1,364 @@
+"""Train an embedding with the fused MS loss: python -m ms_loss_cuda.train --help (or ms-loss-train).
+
+One process, or several with torchrun (`torchrun --nproc-per-node 8 -m ms_loss_cuda.train ...`):
+each process takes its share of every global P x M batch, the loss is the MS loss of the global
+batch (ms_loss_cuda.distributed) and DistributedDataParallel averages the gradients. --chunk-size
+turns on embedding-gradient caching, so the batch is limited by the [B, D] embeddings, not by the
+activations. Rank 0 shows a progress bar, evaluates on the held-out classes every --eval-every
+steps and writes OUT/metrics.json, OUT/metrics.csv, OUT/recall.png and OUT/checkpoint.pt.
+"""
+import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import ms_loss_cuda
+from ms_loss_cuda import distributed, evaluation, gradient_cache, reference
+from ms_loss_cuda.train import data, kanji, models
+
+DATA_SETS = ("kanji", "sop", "folders", "features")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ms_loss_cuda.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", choices=DATA_SETS, default="kanji",
+                   help="kanji: rendered KanjiVG characters (offline); sop: ROOT/Ebay_{train,test}.txt; "
+                        "folders: ROOT/train/<class>/* and ROOT/test/<class>/*; features: --train-features ...")
+    g.add_argument("--root", help="data root (sop, folders); the render cache for kanji (default OUT/../data)")
+    g.add_argument("--train-features", help="features: .npy/.pt [N, D] (or a .pt dict with features and labels)")
+    g.add_argument("--train-labels", help="features: .npy/.pt [N]")
+    g.add_argument("--test-features")
+    g.add_argument("--test-labels")
+    g.add_argument("--kanji-classes", type=int, help="kanji: use this many characters (default all 6,703)")
+    g.add_argument("--kanji-train-instances", type=int, default=8, help="drawings per training class")
+    g.add_argument("--kanji-test-instances", type=int, default=5, help="drawings per test class")
+    g.add_argument("--kanji-jitter", type=float, default=1.8, help="how far drawings of a class differ")
+    g.add_argument("--image-size", type=int, help="crop size (default 224 for images, 32 for kanji)")
+    g.add_argument("--workers", type=int, default=4, help="image decoding processes (sop, folders)")
+    g = p.add_argument_group("model")
+    g.add_argument("--backbone", default=None,
+                   help="convnet (built in), a torchvision model name (resnet50, ...), or linear/mlp for features "
+                        "(default: convnet for images, linear for features)")
+    g.add_argument("--weights", help="local state_dict file for the torchvision backbone (nothing is downloaded)")
+    g.add_argument("--width", type=int, default=32, help="convnet: channels of its first block")
+    g.add_argument("--hidden", type=int, default=512, help="mlp: hidden units")
+    g.add_argument("--dim", type=int, default=128, help="embedding size")
+    g.add_argument("--freeze-bn", action="store_true", help="batch-norm statistics fixed, as the MS authors train")
+    g = p.add_argument_group("batches and optimisation")
+    g.add_argument("--batch-size", type=int, default=256, help="global batch (all processes together)")
+    g.add_argument("--per-class", type=int, default=4, help="M: samples per class in a batch")
+    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--chunk-size", type=int, default=0,
+                   help="embedding-gradient caching: encode this many samples at a time (0: the whole batch)")
+    g.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=5e-4)
+    g.add_argument("--schedule", choices=("constant", "step", "cosine"), default="cosine")
+    g.add_argument("--milestones", type=float, nargs="*", default=(0.4, 0.8), help="step schedule: fractions of --steps")
+    g.add_argument("--gamma", type=float, default=0.1, help="step schedule: factor at each milestone")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="mixed precision (CUDA)")
+    g.add_argument("--device", default=None, help="default: cuda when available (the local rank's GPU), else cpu")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("loss (ms_loss_cuda.multi_similarity_loss)")
+    g.add_argument("--alpha", type=float, default=2.0)
+    g.add_argument("--beta", type=float, default=50.0)
+    g.add_argument("--base", type=float, default=0.5)
+    g.add_argument("--epsilon", type=float, default=0.1)
+    g.add_argument("--no-mining", dest="mining", action="store_false")
+    g.add_argument("--skip-incomplete-anchors", action="store_true")
+    g.add_argument("--backend", default="auto", choices=ms_loss_cuda.loss.BACKENDS)
+    g.add_argument("--memory-size", type=int, default=0, help="cross-batch memory rows (0: none)")
+    g.add_argument("--memory-weight", type=float, default=1.0)
+    g.add_argument("--memory-warmup", type=int, default=0, help="steps before the memory is used")
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--out", default="runs/train")
+    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: only before and after)")
+    g.add_argument("--eval-batch", type=int, default=1024)
+    g.add_argument("--ks", type=int, nargs="+", default=(1, 10, 100, 1000))
+    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at evaluations)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists")
+    g.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.backbone is None:
+        args.backbone = "linear" if args.data == "features" else "convnet"
+    if args.image_size is None:
+        args.image_size = 32 if args.data == "kanji" else 224
+    return args
+
+
+# ---- setup ----------------------------------------------------------------------------------------
+def init_processes(args):
+    """(rank, world size, device); torchrun's environment starts the process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return (dist.get_rank(), world, device) if world > 1 else (0, 1, device)
+
+
+class TensorData:
+    """Samples already in memory (kanji drawings, features): a batch is one indexing."""
+
+    def __init__(self, inputs, labels):
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def batch(self, indices):
+        inputs = self.inputs[indices]
+        if inputs.dtype == torch.uint8:  # kanji drawings -> [B, 1, H, W] in [-1, 1]
+            inputs = inputs[:, None].float() / 127.5 - 1.0
+        return inputs, self.labels[indices]
+
+
+def load_data(args):
+    """(train, test): TensorData or data.ImageDataset each."""
+    if args.data == "kanji":
+        cache = args.root or os.path.join(os.path.dirname(os.path.abspath(args.out)), "data")
+        sets = kanji.load(cache, train_per_class=args.kanji_train_instances, test_per_class=args.kanji_test_instances,
+                          size=args.image_size, jitter=args.kanji_jitter, classes=args.kanji_classes)
+        return [TensorData(torch.from_numpy(x), torch.from_numpy(y)) for x, y in (sets["train"], sets["test"])]
+    if args.data == "features":
+        if not (args.train_features and args.test_features):
+            raise SystemExit("--data features needs --train-features and --test-features")
+        return [TensorData(*data.read_features(f, l)) for f, l in ((args.train_features, args.train_labels),
+                                                                   (args.test_features, args.test_labels))]
+    if not args.root:
+        raise SystemExit(f"--data {args.data} needs --root")
+    if args.data == "sop":
+        splits = [data.read_sop(args.root, split) for split in ("train", "test")]
+    else:
+        splits = [data.read_folders(os.path.join(args.root, split))[:2] for split in ("train", "test")]
+    return [data.ImageDataset(paths, labels, args.image_size, train=split == 0) for split, (paths, labels) in enumerate(splits)]
+
+
+def batches(dataset, sampler, workers):
+    """(inputs, labels, ids) per batch of the sampler; ids are the dataset indices (stable across steps)."""
+    if isinstance(dataset, TensorData):
+        for indices in sampler:
+            indices = torch.tensor(indices)
+            yield (*dataset.batch(indices), indices)
+        return
+    yield from torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                           persistent_workers=workers > 0)
+
+
+def build_model(args, train):
+    if args.backbone == "convnet":
+        return models.SmallConvNet(args.dim, 3 if isinstance(train, data.ImageDataset) else 1, args.width)
+    if args.backbone in ("linear", "mlp"):
+        if not isinstance(train, TensorData) or train.inputs.dim() != 2:
+            raise SystemExit(f"--backbone {args.backbone} is a head over features: use it with --data features")
+        return models.FeatureHead(train.inputs.shape[1], args.dim, args.hidden if args.backbone == "mlp" else 0)
+    return models.torchvision_backbone(args.backbone, args.dim, args.weights)
+
+
+def build_schedule(args, optimizer):
+    milestones = [round(f * args.steps) for f in args.milestones]
+
+    def factor(step):
+        warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+        if args.schedule == "step":
+            return warm * args.gamma ** sum(step >= m for m in milestones)
+        if args.schedule == "cosine":
+            return warm * 0.5 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))
+        return warm
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---- evaluation and records ------------------------------------------------------------------------
+@torch.no_grad()
+def embed(model, dataset, args, device):
+    model.eval()
+    order = list(range(len(dataset)))
+    parts, labels = [], []
+    for inputs, targets, _ in batches(dataset, [order[i:i + args.eval_batch] for i in range(0, len(order), args.eval_batch)],
+                                      args.workers):
+        with autocast(args, device):
+            parts.append(model(inputs.to(device)).float().cpu())
+        labels.append(targets)
+    model.train()
+    if args.freeze_bn:
+        models.freeze_batchnorm(model)
+    return torch.cat(parts), torch.cat(labels)
+
+
+def evaluate(model, test, args, device):
+    embeddings, labels = embed(model, test, args, device)
+    ks = [k for k in args.ks if k < len(labels)]
+    return evaluation.evaluate(embeddings, labels, ks)
+
+
+def autocast(args, device):
+    if args.amp == "off" or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
+
+
+def write_metrics(history, out):
+    with open(os.path.join(out, "metrics.json"), "w") as handle:
+        json.dump(history, handle, indent=1)
+    columns = list(dict.fromkeys(k for row in history for k in row))
+    with open(os.path.join(out, "metrics.csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        writer.writeheader()
+        writer.writerows(history)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in history], [100 * r["recall@1"] for r in history], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("Recall@1 on the held-out classes (%)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "recall.png"), dpi=120)
+    plt.close(fig)
+
+
+# ---- training --------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = init_processes(args)
+    torch.manual_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    train, test = load_data(args)
+    model = build_model(args, train).to(device)
+    if args.freeze_bn:
+        models.freeze_batchnorm(model)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](
+        parameters, lr=args.lr, weight_decay=args.weight_decay, **({"momentum": 0.9} if args.optimizer == "sgd" else {}))
+    schedule = build_schedule(args, optimizer)
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp == "fp16" and device.type == "cuda")
+    loss_options = dict(alpha=args.alpha, beta=args.beta, base=args.base, epsilon=args.epsilon, mining=args.mining,
+                        skip_incomplete_anchors=args.skip_incomplete_anchors, backend=args.backend)
+    memory = (ms_loss_cuda.CrossBatchMemory(args.memory_size, args.dim, weight=args.memory_weight,
+                                            warmup=args.memory_warmup, **loss_options).to(device)
+              if args.memory_size else None)
+
+    checkpoint_path = os.path.join(args.out, "checkpoint.pt")
+    step, history = 0, []
+    if args.resume and os.path.exists(checkpoint_path):
+        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        scaler.load_state_dict(state["scaler"])
+        if memory is not None:
+            memory.load_state_dict(state["memory"])
+        step, history = state["step"], state["history"]
+        if rank == 0:
+            print(f"resumed from {checkpoint_path} at step {step}")
+
+    def loss_of(embeddings, labels, ids):
+        if world > 1:
+            return distributed.multi_similarity_loss(embeddings, labels, ids, memory=memory,
+                                                     **({} if memory is not None else loss_options))
+        if memory is not None:
+            return memory(embeddings, labels, ids)
+        return ms_loss_cuda.multi_similarity_loss(embeddings, labels, ids=ids, **loss_options)
+
+    def checkpoint():  # written whole, then renamed: an interrupted save never leaves a broken file
+        state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
+                     scaler=scaler.state_dict(), memory=None if memory is None else memory.state_dict(), step=step,
+                     history=history, args=vars(args))
+        torch.save(state, checkpoint_path + ".tmp")
+        os.replace(checkpoint_path + ".tmp", checkpoint_path)
+
+    def record(loss_sum, mined_sum, steps_since, seconds):
+        metrics = evaluate(model, test, args, device) if rank == 0 else {}
+        if rank == 0:
+            row = {"step": step, "images_seen": step * args.batch_size,
+                   "train_loss": loss_sum / steps_since if steps_since else None,
+                   "mined": mined_sum / steps_since if steps_since else None,
+                   "train_seconds": round(seconds, 1), **metrics}
+            history.append(row)
+            write_metrics(history, args.out)
+            shown = ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items() if k.startswith("recall@"))
+            print(f"step {step}: {shown}", flush=True)
+            checkpoint()
+        if world > 1:
+            dist.barrier()
+
+    if not history:
+        record(0.0, 0.0, 0, 0.0)
+    sampler = data.ClassBalancedBatches(train.labels, args.batch_size, args.per_class, args.steps, rank=rank,
+                                        world_size=world, seed=args.seed, start=step)
+    progress = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True)
+    loss_sum = mined_sum = 0.0
+    steps_since, started, seconds = 0, time.perf_counter(), history[-1]["train_seconds"] if history else 0.0
+    for inputs, labels, ids in batches(train, sampler, args.workers):
+        tick = time.perf_counter()
+        inputs, labels, ids = inputs.to(device, non_blocking=True), labels.to(device), ids.to(device)
+        optimizer.zero_grad(set_to_none=True)
+
+        def encode(chunk):
+            with autocast(args, device):
+                return wrapped(chunk)
+
+        def scaled_loss(embeddings):
+            return scaler.scale(loss_of(embeddings, labels, ids))
+
+        if args.chunk_size:
+            loss, embeddings = gradient_cache.cached_step(encode, inputs, scaled_loss, args.chunk_size,
+                                                          no_sync=wrapped.no_sync if world > 1 else None)
+        else:
+            embeddings = encode(inputs)
+            loss = scaled_loss(embeddings)
+            loss.backward()
+        scaler.step(optimizer)
+        scaler.update()
+        schedule.step()
+        step += 1
+        loss_sum += loss.item() / (scaler.get_scale() if scaler.is_enabled() else 1.0)
+        mined_sum += reference.mined_fraction(embeddings.detach(), labels, ids=ids, epsilon=args.epsilon)
+        steps_since += 1
+        seconds += time.perf_counter() - tick
+        if progress is not None:
+            progress.update()
+            progress.set_postfix(loss=f"{loss_sum / steps_since:.4f}", mined=f"{100 * mined_sum / steps_since:.1f}%",
+                                 img_s=f"{args.batch_size * steps_since / (time.perf_counter() - started):.0f}")
+        last = step == args.steps
+        if last or (args.eval_every and step % args.eval_every == 0):
+            record(loss_sum, mined_sum, steps_since, seconds)
+            loss_sum = mined_sum = 0.0
+            steps_since, started = 0, time.perf_counter()
+        elif args.checkpoint_every and step % args.checkpoint_every == 0 and rank == 0:
+            checkpoint()
+    if progress is not None:
+        progress.close()
+    if rank == 0 and len(history) > 1:
+        first, final = history[0], history[-1]
+        print("Recall@K on the held-out classes, before -> after training:")
+        for key in (k for k in final if k.startswith("recall@")):
+            print(f"  {key:>12}: {100 * first[key]:6.2f} -> {100 * final[key]:6.2f}")
+    if world > 1:
+        dist.destroy_process_group()
+    return history
+
+
+if __name__ == "__main__":
+    main()

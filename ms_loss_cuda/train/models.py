@@ -1,0 +1,66 @@
+"""Embedding networks for the training command: a torchvision backbone (when torchvision imports;
+weights from a local file, nothing is downloaded), a small built-in convnet, or a linear/MLP head
+over precomputed features. Each maps its input to [B, dim] unnormalised embeddings (the loss
+normalises), and `freeze_batchnorm` keeps batch-norm statistics fixed, as the authors train."""
+import torch
+from torch import nn
+
+
+class SmallConvNet(nn.Module):
+    """Four 3 x 3 conv blocks (conv, batch-norm, ReLU, 2 x 2 max-pool), global average pooling and a
+    linear embedding: a CPU-sized backbone for small images (the kanji experiment's 32 x 32)."""
+
+    def __init__(self, dim=128, in_channels=1, width=32):
+        super().__init__()
+        layers, channels = [], in_channels
+        for out in (width, 2 * width, 4 * width, 8 * width):
+            layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True),
+                       nn.MaxPool2d(2)]
+            channels = out
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.embedding = nn.Linear(channels, dim)
+
+    def forward(self, images):
+        return self.embedding(self.features(images))
+
+
+class FeatureHead(nn.Module):
+    """A head over frozen features: linear (hidden=0) or a one-hidden-layer MLP."""
+
+    def __init__(self, in_features, dim=128, hidden=0):
+        super().__init__()
+        self.net = (nn.Linear(in_features, dim) if hidden == 0 else
+                    nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, dim)))
+
+    def forward(self, features):
+        return self.net(features)
+
+
+def torchvision_backbone(name, dim, weights=None):
+    """torchvision model `name` (e.g. resnet50) with its classifier replaced by a linear embedding of
+    size `dim`; `weights` a local state_dict file of the torchvision model (nothing is downloaded)."""
+    try:
+        import torchvision
+    except Exception as error:  # not installed, or built for another torch
+        raise RuntimeError(f"backbone {name!r} needs torchvision, which does not import here ({error}); "
+                           "use --backbone convnet, or install a torchvision that matches torch") from error
+    model = torchvision.models.get_model(name, weights=None)
+    if weights is not None:
+        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    for attribute in ("fc", "classifier", "head", "heads"):  # the last layer's name differs by family
+        if hasattr(model, attribute):
+            last = getattr(model, attribute)
+            linears = [m for m in ([last] if isinstance(last, nn.Linear) else last.modules()) if isinstance(m, nn.Linear)]
+            setattr(model, attribute, nn.Linear(linears[-1].in_features, dim))
+            return model
+    raise ValueError(f"torchvision model {name!r}: no fc/classifier/head layer to replace with the embedding")
+
+
+def freeze_batchnorm(model):
+    """Batch-norm layers in eval mode with fixed affine parameters (call after every model.train())."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.eval()
+            for parameter in module.parameters():
+                parameter.requires_grad_(False)
+    return model

@@ -1,0 +1,88 @@
+"""Embedding-gradient caching: the chunked step's parameter gradients against the plain step's."""
+import pytest
+import torch
+
+import ms_loss_cuda
+from ms_loss_cuda import gradient_cache
+from ms_loss_cuda.train.models import SmallConvNet, freeze_batchnorm
+
+
+def _convnet():
+    torch.manual_seed(0)
+    model = SmallConvNet(dim=12, in_channels=1, width=4).double()
+    for module in model.modules():  # batch-norm statistics that are not the identity
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+    return freeze_batchnorm(model.train())
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 23, 64])
+@pytest.mark.parametrize("with_memory", [False, True])
+def test_cached_step_equals_plain_step(chunk_size, with_memory):
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(23, 1, 16, 16, generator=gen, dtype=torch.float64)  # 23: no chunk size divides it
+    labels = torch.arange(23) % 5
+    ids = torch.arange(100, 123)
+    options = dict(backend="reference", reduction="sum", epsilon=0.3)
+
+    def loss_fn_for(memory):
+        if memory is None:
+            return lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, ids=ids, **options)
+        return lambda e: memory(e, labels, ids)
+
+    results = []
+    for cached in (False, True):
+        model = _convnet()
+        memory = None
+        if with_memory:  # a memory holding an earlier batch, so the memory term has negatives and positives
+            memory = ms_loss_cuda.CrossBatchMemory(40, 12, weight=0.7, **options).double()
+            with torch.no_grad():
+                memory(model(torch.randn(17, 1, 16, 16, generator=torch.Generator().manual_seed(2),
+                                         dtype=torch.float64)), torch.arange(17) % 5, torch.arange(17))
+        loss_fn = loss_fn_for(memory)
+        if cached:
+            loss, embeddings = gradient_cache.cached_step(model, images, loss_fn, chunk_size)
+        else:
+            embeddings = model(images)
+            loss = loss_fn(embeddings)
+            loss.backward()
+        results.append((loss.detach(), embeddings.detach(), _grads(model)))
+    (plain_loss, plain_emb, plain_grads), (loss, emb, grads) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(emb, plain_emb, rtol=1e-10, atol=1e-12)
+    assert any(g.abs().max() > 0 for g in plain_grads)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_random_layers_replay_the_same_numbers():
+    """With dropout, each chunk's second pass draws the first pass's random numbers: the gradients
+    are those of the chunked forward with graph, run from the same seed."""
+    def model_and_inputs():
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5)).double()
+        return model, torch.randn(19, 6, dtype=torch.float64)
+
+    labels = torch.arange(19) % 4
+    loss_fn = lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")  # noqa: E731
+    model, inputs = model_and_inputs()
+    torch.manual_seed(11)
+    loss = loss_fn(torch.cat([model(inputs[i:i + 5]) for i in range(0, 19, 5)]))
+    loss.backward()
+    want = _grads(model)
+    model, inputs = model_and_inputs()
+    torch.manual_seed(11)
+    cached_loss, _ = gradient_cache.cached_step(model, inputs, loss_fn, 5)
+    torch.testing.assert_close(cached_loss, loss.detach())
+    for got, expected in zip(_grads(model), want):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_chunk_size():
+    with pytest.raises(ValueError, match="chunk_size"):
+        gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(), 0)
