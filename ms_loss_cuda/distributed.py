@@ -87,14 +87,18 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
     normalize = loss_options.pop("normalize", True)
     x = unit_rows(embeddings) if normalize else embeddings
     everyone = unit_rows(everyone) if normalize else everyone
+    # Per-anchor losses summed in float32 (float64): a 16-bit sum over thousands of anchors would overflow.
+    compute = torch.float64 if embeddings.dtype == torch.float64 else torch.float32
     own = _multi_similarity_loss(x, labels, ids=ids, ref_embeddings=everyone, ref_labels=all_labels,
-                                 ref_ids=all_ids, normalize=False, **dict(loss_options, reduction="sum"))
+                                 ref_ids=all_ids, normalize=False, **dict(loss_options, reduction="none"))
+    own = own.to(compute).sum()
     if memory is not None:
-        term = memory.memory_term(x, labels, ids, everyone, all_labels, all_ids, reduction="sum")
-        own = own if term is None else own + memory.weight * term
+        term = memory.memory_term(x, labels, ids, everyone, all_labels, all_ids, reduction="none")
+        own = own if term is None else own + memory.weight * term.to(compute).sum()
     if reduction == "mean":
         own = own / total
     value = own.detach().clone()
     dist.all_reduce(value)
     world = dist.get_world_size()
-    return own * world + (value - own * world).detach()  # the global value, the DDP-scaled gradient
+    loss = own * world + (value - own * world).detach()  # the global value, the DDP-scaled gradient
+    return loss.to(embeddings.dtype)

@@ -221,7 +221,9 @@ def multi_similarity_loss(
     (epsilon); `normalize` L2-normalises rows first (cosine similarity). `reduction` is "mean"
     (over all B anchors), "sum" or "none" ([B]). `skip_incomplete_anchors=True` zeroes anchors
     whose mined positive or negative set is empty, as the authors' code does.
-    The loss is float32 for 16-bit inputs (float64 for float64 inputs).
+    The loss comes back in the embeddings' dtype, as torch's losses do: every similarity, exponent
+    and sum is float32 (float64 for float64 inputs) and only the result is cast (a float16 "sum"
+    above 65504 is inf, its gradient still finite and exact).
     `backend`: "auto" (or $MS_LOSS_BACKEND), "reference", "cpu", "triton" or "cuda".
     """
     return _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, None,
@@ -244,8 +246,8 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
         losses = reference.multi_similarity_loss(x, labels, ref, reduction="none", masks=masks, **options)
     else:
         losses = _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options)
-    loss = reference.reduce_losses(losses, reduction)
-    return _nan_if_nonfinite(loss, embeddings, ref_embeddings)
+    loss = reference.reduce_losses(losses, reduction)  # float32 (float64) sums, then the embeddings' dtype
+    return _nan_if_nonfinite(loss, embeddings, ref_embeddings).to(embeddings.dtype)
 
 
 class MultiSimilarityLoss(torch.nn.Module):

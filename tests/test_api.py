@@ -175,3 +175,32 @@ def test_16_bit_embeddings_stay_16_bit_under_autocast():
     x = torch.randn(8, 16, device="cuda", dtype=torch.float16)
     with torch.autocast("cuda", dtype=torch.float16):
         assert unit_rows(x).dtype == torch.float16  # (F.normalize gives float32 here)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_loss_in_the_embeddings_dtype_mixes_with_peer_code(backend, dtype):
+    """16-bit embeddings give a 16-bit loss (accumulated in float32, cast at the end), so it compares
+    and adds with other losses of the same dtype, as pytorch-metric-learning's does."""
+    if backend not in available_backends("cpu"):
+        pytest.skip(f"{backend} not available")
+    x, labels = make_batch(37, 8, 5, dtype=dtype)
+    loss = multi_similarity_loss(x, labels, backend=backend)
+    exact = multi_similarity_loss(x.double(), labels, backend="reference")
+    assert loss.dtype == dtype and torch.isclose(loss, exact.to(dtype), rtol=1e-2)
+    assert (loss + torch.zeros((), dtype=dtype)).dtype == dtype
+
+
+def test_float16_sum_overflows_to_inf_with_an_exact_gradient():
+    """A float16 "sum" beyond 65504 is inf, like any float16 sum; its gradient (taken in float32
+    inside) stays finite and equals the float32 one."""
+    x, labels = make_batch(4000, 4, 2000, spread=3.0)
+    x16 = x.half().requires_grad_()
+    x32 = x16.detach().float().requires_grad_()
+    loss16 = multi_similarity_loss(x16, labels, reduction="sum", beta=0.5, base=-0.5, mining=False, backend="reference")
+    loss32 = multi_similarity_loss(x32, labels, reduction="sum", beta=0.5, base=-0.5, mining=False, backend="reference")
+    assert loss32 > 65504 and loss16.isinf()
+    loss16.backward()
+    loss32.backward()
+    assert torch.isfinite(x16.grad).all()
+    torch.testing.assert_close(x16.grad.float(), x32.grad, rtol=2e-3, atol=2e-3 * x32.grad.abs().max().item())

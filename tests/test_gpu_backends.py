@@ -233,28 +233,6 @@ def test_cuda_ops_refuse_tensors_on_another_device():
 
 
 @pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
-@pytest.mark.parametrize("batch,ref_rows", [(4096, None), (256, 65536), (1024, 1048576)])
-def test_triton_launches_fill_an_h100(batch, ref_rows):
-    # The plans an H100 (132 multiprocessors) gets: every launch that walks columns has at least two
-    # programs per multiprocessor, by splitting the columns where the rows alone are too few.
-    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.zeros(batch, dtype=torch.int64)
-    ref = None if ref_rows is None else torch.zeros(ref_rows, 512, dtype=torch.float16)
-    ref_labels = None if ref is None else torch.zeros(ref_rows, dtype=torch.int64)
-    hyper = (2.0, 50.0, 0.5, 0.1, True, False)
-    _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper,
-                                                    interpret=False, multiprocessors=132)
-    *_, backward = triton_kernels.backward_plan(torch.ones(batch), stats, x, labels, None, ref, ref_labels, None,
-                                                *hyper, interpret=False, multiprocessors=132)
-    walking = [launch for launch in forward + backward if "cols_per_split" in launch.args]
-    assert len(walking) == (2 + (1 if ref is None else 2))
-    for launch in walking:
-        programs = 1
-        for extent in launch.grid:
-            programs *= extent
-        assert programs >= 2 * 132, (launch.kernel.fn.__name__, launch.grid)
-
-
-@pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
 @pytest.mark.parametrize("row_programs,num_cols,block_n", [(1, 1000, 64), (8, 1 << 20, 64), (300, 5000, 64),
                                                            (3, 0, 64), (2, 130, 64)])
 def test_column_splits_cover_every_column_once(row_programs, num_cols, block_n):
@@ -301,3 +279,58 @@ def test_the_ops_refuse_keys_of_the_wrong_length(target):
     x, labels = F.normalize(x, dim=1).to(target.device), labels.to(target.device)
     with pytest.raises((ValueError, RuntimeError), match="labels"):
         target.forward(x, labels[:-1], None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
+
+
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_float16_weights_keep_their_precision_row_by_row(target, case):
+    """No mining against 1,500 rows makes every pair weight about 1/1500, and grad_outputs from 1e4
+    down to 1 (scaled by the largest: 1 ... 1e-4) shrink some rows' weights to about 7e-8, a single
+    float16 subnormal step, without each row's own lift. Every row of dx is compared with the
+    float64 reference at its own scale, not only at the tensor's largest."""
+    gen = torch.Generator().manual_seed(17)
+    batch, rows = 12, 1500
+    x = F.normalize(torch.randn(batch, 64, generator=gen, dtype=torch.float64), dim=1).half()
+    labels = torch.arange(batch) % 3
+    kwargs = dict(embeddings=x, labels=labels)
+    if case == "ref_ids":
+        kwargs.update(ref_embeddings=F.normalize(torch.randn(rows, 64, generator=gen, dtype=torch.float64), dim=1).half(),
+                      ref_labels=torch.randint(0, 40, (rows,), generator=gen), ids=torch.arange(batch),
+                      ref_ids=torch.arange(batch, batch + rows))
+    else:
+        kwargs["embeddings"] = F.normalize(torch.randn(rows, 64, generator=gen, dtype=torch.float64), dim=1).half()
+        kwargs["labels"] = torch.randint(0, 40, (rows,), generator=gen)
+    anchors = kwargs["embeddings"].shape[0]
+    spread = torch.logspace(4, 0, anchors, dtype=torch.float64)  # every row's gradient a normal float16
+    grad_output = lambda loss: spread.to(loss.device, loss.dtype)  # noqa: E731
+    options = dict(reduction="none", mining=False, normalize=False, beta=10.0)
+    dx = loss_and_grads(to(kwargs, target.device), target.backend, grad_output, **options)[1][0]
+    want = loss_and_grads(to(kwargs, "cpu", torch.float64), "reference", grad_output, **options)[1][0]
+    dx, want = dx.double().cpu(), want.double()
+    error = (dx - want).abs().amax(dim=1) / want.abs().amax(dim=1)
+    assert error.max() < 4e-3, f"worst row {error.argmax().item()}: {error.max().item():.2e} of its own scale"
+
+
+@pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
+def test_float32_products_follow_torchs_matmul_precision():
+    """IEEE products under "highest" (torch's default), TF32 tensor cores under "high"/"medium"."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision, expected in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
+            torch.set_float32_matmul_precision(precision)
+            for kind in ("forward", "backward"):
+                assert triton_kernels.tile_config(kind, torch.float32, 512, interpret=False)["PRECISION"] == expected
+            assert triton_kernels.tile_config("forward", torch.float16, 512, interpret=False)["PRECISION"] == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or triton_kernels is None, reason="TF32 needs a GPU (the interpreter computes IEEE)")
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_triton_float32_under_tf32(case):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        check_against_reference("triton", build_case(case, 97, 130, torch.float32), torch.float32, "none",
+                                device=DEVICE, rtol=3e-3)
+    finally:
+        torch.set_float32_matmul_precision(before)

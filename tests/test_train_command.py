@@ -119,3 +119,12 @@ def test_two_processes_train_like_one(tmp_path):
     b = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+def test_the_library_never_imports_the_application():
+    import subprocess
+    import sys
+
+    code = ("import sys, ms_loss_cuda, ms_loss_cuda.distributed, ms_loss_cuda.evaluation, ms_loss_cuda.gradient_cache; "
+            "print(sorted(m for m in sys.modules if m.startswith('ms_loss_cuda.train')))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

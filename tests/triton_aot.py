@@ -28,8 +28,14 @@ DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with a
 ROWS, REF_ROWS = 4096, 1000
 
 
-def launches(dtype, dim, mining, skip):
+DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")  # float32 under matmul precision "highest" and "high"
+TF32_DIMS = (32, 130, 512)
+
+
+def launches(dtype_name, dim, mining, skip):
     """The dispatcher's launches (GPU configurations) for the self and the reference-set case."""
+    torch.set_float32_matmul_precision("high" if dtype_name.endswith("-tf32") else "highest")
+    dtype = getattr(torch, dtype_name.split("-")[0])
     x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
     ref, ref_labels = torch.randn(REF_ROWS, dim, dtype=dtype), torch.randint(0, 100, (REF_ROWS,))
     hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
@@ -65,7 +71,7 @@ def signature(launch):
 
 def compile_record(job):
     dtype_name, dim, mining, skip, name, cc = job
-    launch = launches(getattr(torch, dtype_name), dim, mining, skip)[name]
+    launch = launches(dtype_name, dim, mining, skip)[name]
     sig, attrs = signature(launch)
     compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
                               target=GPUTarget("cuda", cc, 32),
@@ -80,18 +86,18 @@ def compile_record(job):
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
     return dict(dtype=dtype_name, dim=dim, mining=mining, skip=skip, kernel=name, cc=cc,
                 config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
-                wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx,
+                wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tf32=".tf32" in ptx,
                 registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
                 spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
 
 
 def jobs():
-    for dtype in ("float16", "bfloat16", "float32"):
-        for dim in DIMS:
+    for dtype in DTYPES:
+        for dim in TF32_DIMS if dtype.endswith("-tf32") else DIMS:
             variants = [(True, False)] + ([(False, True)] if dim == DIMS[-1] else [])
             for mining, skip in variants:
-                for name in launches(getattr(torch, dtype), dim, mining, skip):
-                    if name == "_mine_kernel" and not mining:
+                for name in launches(dtype, dim, mining, skip):
+                    if name == "_minpos_kernel" and not mining:
                         continue  # it has no mining option
                     for cc in TARGETS:
                         yield dtype, dim, mining, skip, name, cc

@@ -2,25 +2,31 @@
 B x R buffer.
 
 Each program takes one block of anchor rows and one split of the columns (`column_splits`: splits
-only where the row blocks alone give fewer than two programs per multiprocessor):
-- `_mine_kernel`: S tiles -> each anchor's hardest positive (minpos) and negative (maxneg) there;
-- `_lse_kernel`: S tiles again -> mined sets -> both sums of exp, shifted by the exponent of the
-  hardest pair (known from all splits' minpos/maxneg);
-- `_finish_kernel`: the splits combined in a fixed order -> loss and stats [4, B] = (minpos, maxneg,
-  LP, LN);
+only where the row blocks alone give fewer than two programs per multiprocessor). The forward takes
+the anchors in label order, so a block's positives all lie in one short range of the label-sorted
+columns (`positive_ranges`), and makes a single pass over all columns:
+- `_minpos_kernel`: S over the block's positive range -> each anchor's hardest positive (minpos);
+- `_negatives_kernel`: S over all columns, once -> the hardest negative and, since the negatives'
+  mining needs only minpos, the sum of exp over the mined negatives, rescaled online;
+- `_finish_kernel`: the splits combined in a fixed order, then S over the positive range again for
+  the sum over the mined positives (their mining needs the final maxneg) -> loss and stats [4, B] =
+  (minpos, maxneg, LP, LN);
 - `_grad_kernel`: program (I, d, split) recomputes S_IJ for the split's column blocks J and
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomics, the same bits on every run.
+`plan_cost` counts the work of a plan's launches in GEMM-equivalents.
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
-with float32 accumulation; float32 tiles use IEEE float32 products (no TF32).
+with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
+torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
 Verified: on an H100 (torch 2.11, triton 3.6; bench/gpu_check.sh): the parity suite against the float64
 reference on CUDA tensors, compute-sanitizer memcheck/racecheck/synccheck, timings in
 bench/results/gpu/. What changed after that run (3 pipeline stages for the 16-bit backward at
-D > 256, no dref launch when the reference set takes no gradient, the op's input checks) has been
-interpreted and compiled ahead of time only. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
+D > 256, no dref launch when the reference set takes no gradient, the op's input checks, the
+one-pass forward, per-row scaling of the pair weights, TF32) has been interpreted and compiled
+ahead of time only. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
 (tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration compiled ahead
 of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
@@ -97,18 +103,18 @@ def _pair_weights(s, positive, negative, lp, ln, alpha, beta, base):
 
 # ---- tiles ----------------------------------------------------------------------------------
 @triton.jit
-def _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, num_b, dim,
+def _similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T (rows of both are `dim` long; 64-bit
-    offsets: B * D may pass 2^31)."""
+    """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T: any row and column indices (a block,
+    or a gathered list), rows of both `dim` long; 64-bit offsets (B * D may pass 2^31)."""
     s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, dim, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :],
-                    mask=(rows[:, None] < num_a) & (ks[None, :] < dim), other=0.0)
+                    mask=row_ok[:, None] & (ks[None, :] < dim), other=0.0)
         b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + ks[:, None],
-                      mask=(cols[None, :] < num_b) & (ks[:, None] < dim), other=0.0)
+                      mask=col_ok[None, :] & (ks[:, None] < dim), other=0.0)
         if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
             a = a.to(tl.float32)
             b_t = b_t.to(tl.float32)
@@ -122,16 +128,32 @@ def _load_keys(labels_ptr, ids_ptr, index, ok):
 
 
 @triton.jit
-def _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i, start, end, num_a, dim,
+def _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The tile of columns start .. min(start + BLOCK_N, end): (S, positive, negative, columns, valid columns)."""
-    cols = start + tl.arange(0, BLOCK_N)
-    col_ok = cols < end
+    """(S, positive, negative) of the rows against the columns `cols` (valid where col_ok)."""
     label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
-    s = _similarity_tile(a_ptr, b_ptr, rows, cols, num_a, end, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    s = _similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
     positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
-    return s, positive, negative, cols, col_ok
+    return s, positive, negative
+
+
+@triton.jit
+def _ordered_rows(row_order_ptr, num_x, BLOCK_M: tl.constexpr):
+    """This program's anchors: the next BLOCK_M of the anchors sorted by label (indices into x)."""
+    slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = slots < num_x
+    return tl.load(row_order_ptr + slots, mask=row_ok, other=0), row_ok
+
+
+@triton.jit
+def _positive_columns(col_order_ptr, range_ptr, start, BLOCK_N: tl.constexpr):
+    """The next BLOCK_N columns, from `start` on, of the range of the label-sorted columns that holds
+    every positive of this program's anchors."""
+    end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
+    slots = start + tl.arange(0, BLOCK_N)
+    col_ok = slots < end
+    return tl.load(col_order_ptr + slots, mask=col_ok, other=0), col_ok
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -143,81 +165,89 @@ def _column_range(num_ref, cols_per_split, split_axis: tl.constexpr):
 
 
 @triton.jit
-def _combined_extremes(part_ptr, rows, row_ok, num_x, splits):
-    """minpos / maxneg of the anchors `rows` from the per-split partials [2, splits, B], in split order."""
-    minpos = tl.full(rows.shape, INF, tl.float32)
-    maxneg = tl.full(rows.shape, -INF, tl.float32)
-    for k in range(0, splits):
-        minpos = tl.minimum(minpos, tl.load(part_ptr + k * num_x + rows, mask=row_ok, other=INF))
-        maxneg = tl.maximum(maxneg, tl.load(part_ptr + (splits + k) * num_x + rows, mask=row_ok, other=-INF))
-    return minpos, maxneg
-
-
-@triton.jit
-def _mine_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, part_ptr,
-                 num_x, num_ref, dim, splits, cols_per_split,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Per split of the columns: each anchor's hardest positive and negative there."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_x
+def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
+                   range_ptr, minpos_ptr, num_x, dim,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Each anchor's hardest positive, from the columns of its block's positive range alone."""
+    rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.full((BLOCK_M,), INF, tl.float32)
-    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
-    begin, end = _column_range(num_ref, cols_per_split, 1)
-    for start in range(begin, end, BLOCK_N):
-        s, positive, negative, _, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, label_i, id_i,
-                                                 start, end, num_x, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                                 PRECISION)
+    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), tl.load(range_ptr + 2 * tl.program_id(0) + 1),
+                       BLOCK_N):
+        cols, col_ok = _positive_columns(col_order_ptr, range_ptr, start, BLOCK_N)
+        s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
+                                    col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
-        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
-    split = tl.program_id(1)
-    tl.store(part_ptr + split * num_x + rows, minpos, mask=row_ok)
-    tl.store(part_ptr + (splits + split) * num_x + rows, maxneg, mask=row_ok)
+    tl.store(minpos_ptr + rows, minpos, mask=row_ok)
 
 
 @triton.jit
-def _lse_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, part_ptr, sums_ptr,
-                num_x, num_ref, dim, splits, cols_per_split, alpha, beta, base, epsilon,
-                MINING: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Per split of the columns: both sums of exp over the mined sets, shifted by the hardest pair's
-    exponent (known from all splits' extremes), into sums [2, splits, B]."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_x
+def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, minpos_ptr,
+                      part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base, epsilon,
+                      MINING: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The one pass over all columns (this program's split): the hardest negative, and the sum of
+    exp(beta (S - base)) over the mined negatives (which need only minpos, known already), online:
+    rescaled whenever a larger exponent appears. Partials [3, splits, B]: maxneg, shift, sum."""
+    rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
-    minpos, maxneg = _combined_extremes(part_ptr, rows, row_ok, num_x, splits)
-    shift_p, shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
-    sum_p = tl.zeros((BLOCK_M,), tl.float32)
-    sum_n = tl.zeros((BLOCK_M,), tl.float32)
+    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
+    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
+    shift = tl.zeros((BLOCK_M,), tl.float32)  # >= 0: the 1 in log(1 + sum) never overflows either
+    total = tl.zeros((BLOCK_M,), tl.float32)
     begin, end = _column_range(num_ref, cols_per_split, 1)
     for start in range(begin, end, BLOCK_N):
-        s, positive, negative, _, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, label_i, id_i,
-                                                 start, end, num_x, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                                 PRECISION)
-        positive, negative = _mined_sets(s, positive, negative, minpos[:, None], maxneg[:, None], epsilon, MINING)
-        e = tl.exp(tl.where(positive, -alpha * (s - base) - shift_p[:, None], beta * (s - base) - shift_n[:, None]))
-        sum_p += tl.sum(tl.where(positive, e, 0.0), axis=1)
-        sum_n += tl.sum(tl.where(negative, e, 0.0), axis=1)
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        s, _, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
+                                    col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
+        if MINING:
+            negative = negative & (s + epsilon > minpos[:, None])
+        exponent = beta * (s - base)
+        new_shift = tl.maximum(shift, tl.max(tl.where(negative, exponent, -INF), axis=1))
+        total = total * tl.exp(shift - new_shift) + tl.sum(
+            tl.where(negative, tl.exp(exponent - new_shift[:, None]), 0.0), axis=1)
+        shift = new_shift
     split = tl.program_id(1)
-    tl.store(sums_ptr + split * num_x + rows, sum_p, mask=row_ok)
-    tl.store(sums_ptr + (splits + split) * num_x + rows, sum_n, mask=row_ok)
+    tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
+    tl.store(part_ptr + (splits + split) * num_x + rows, shift, mask=row_ok)
+    tl.store(part_ptr + (2 * splits + split) * num_x + rows, total, mask=row_ok)
 
 
 @triton.jit
-def _finish_kernel(part_ptr, sums_ptr, stats_ptr, loss_ptr, num_x, splits, alpha, beta, base, epsilon,
-                   MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, BLOCK: tl.constexpr):
-    """Combines the splits in their order: stats [4, B] = (minpos, maxneg, LP, LN) and the loss."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < num_x
-    minpos, maxneg = _combined_extremes(part_ptr, rows, row_ok, num_x, splits)
-    shift_p, shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
-    sum_p = tl.zeros((BLOCK,), tl.float32)
-    sum_n = tl.zeros((BLOCK,), tl.float32)
+def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
+                   range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim, splits, alpha, beta, base,
+                   epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The splits combined in their order (maxneg, LN); then the positive sum over the positive range
+    (the positives' mining needs the final maxneg); stats [4, B] = (minpos, maxneg, LP, LN), loss."""
+    rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
+    label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
+    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
+    shift_n = tl.zeros((BLOCK_M,), tl.float32)
+    sum_n = tl.zeros((BLOCK_M,), tl.float32)
     for k in range(0, splits):
-        sum_p += tl.load(sums_ptr + k * num_x + rows, mask=row_ok, other=0.0)
-        sum_n += tl.load(sums_ptr + (splits + k) * num_x + rows, mask=row_ok, other=0.0)
+        maxneg = tl.maximum(maxneg, tl.load(part_ptr + k * num_x + rows, mask=row_ok, other=-INF))
+        shift_k = tl.load(part_ptr + (splits + k) * num_x + rows, mask=row_ok, other=0.0)
+        total_k = tl.load(part_ptr + (2 * splits + k) * num_x + rows, mask=row_ok, other=0.0)
+        new_shift = tl.maximum(shift_n, shift_k)
+        sum_n = sum_n * tl.exp(shift_n - new_shift) + total_k * tl.exp(shift_k - new_shift)
+        shift_n = new_shift
+    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
+    shift_p, unused_shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
+    sum_p = tl.zeros((BLOCK_M,), tl.float32)
+    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), tl.load(range_ptr + 2 * tl.program_id(0) + 1),
+                       BLOCK_N):
+        cols, col_ok = _positive_columns(col_order_ptr, range_ptr, start, BLOCK_N)
+        s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
+                                    col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        if MINING:
+            positive = positive & (s - epsilon < maxneg[:, None])
+        sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
     lp = shift_p + tl.log(tl.exp(-shift_p) + sum_p)
     ln = shift_n + tl.log(tl.exp(-shift_n) + sum_n)
     counts = _anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE)
@@ -243,14 +273,16 @@ def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
 
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
-                 stats_ptr, scale_ptr, norm_ptr, out_ptr,
+                 stats_ptr, scale_ptr, norm_ptr, row_scale_ptr, out_ptr,
                  num_a, num_b, num_anchors, dim, cols_per_split, alpha, beta, base, epsilon,
                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
                  A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
-    (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS)."""
+    (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS).
+    Row r of H enters the product times row_scale[r] (a power of 2, see row_scales) and leaves it
+    divided by it."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -258,12 +290,14 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     if A_ANCHORS:
         minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
+    row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     begin, end = _column_range(num_b, cols_per_split, 2)
     for start in range(begin, end, BLOCK_N):
-        s, positive, negative, cols, col_ok = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, label_i, id_i,
-                                                         start, end, num_a, dim, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                         UPCAST, PRECISION)
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
+                                           col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if A_ANCHORS:
             p, n = _mined_sets(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], epsilon, MINING)
@@ -277,8 +311,8 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
         if UPCAST:
             b = b.to(tl.float32)
-        acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
-    acc = acc * tl.load(norm_ptr)
+        acc = tl.dot((h * row_scale[:, None]).to(b.dtype), b, acc, input_precision=PRECISION)
+    acc = acc * (tl.load(norm_ptr) / row_scale)[:, None]
     out_ptr += tl.program_id(2).to(tl.int64) * num_a * dim
     tl.store(out_ptr + rows[:, None].to(tl.int64) * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ds[None, :] < dim))
@@ -314,29 +348,43 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
     where 3 spill on sm_80.
     Faster entries that spill registers were left out (a 128 x 128 forward: 2.37 ms against 2.58;
     float32: 45 ms forward, 193 ms backward against 82 and 377), since the spills grow on sm_80; a
-    table per architecture would take them. float32 runs IEEE FMA products (TF32 would miss 1e-5)
-    on small single-stage tiles (32 backward rows: 64 spill a few bytes at small D).
+    table per architecture would take them. float32 runs IEEE FMA products on small single-stage
+    tiles (32 backward rows: 64 spill a few bytes at small D), or TF32 tensor-core products when
+    torch's float32 matmul precision allows them (float32_precision; those tiles are not tuned and
+    have not run on a GPU).
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 by the tests.
     """
+    precision = float32_precision() if dtype == torch.float32 else "tf32"  # (unused for 16-bit)
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
+    elif dtype == torch.float32 and precision == "tf32":  # not tuned yet: 16-bit shapes, half the K depth
+        config = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3) if kind == "forward" else
+                  dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, BLOCK_D=512, num_warps=8, num_stages=2))
     elif dtype == torch.float32:
         config = (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=1) if kind == "forward" else
-                  dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_D=64, num_warps=4, num_stages=1))
+                  dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_D=512, num_warps=8, num_stages=1))
     elif kind == "forward":
         config = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
         config = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_D=512, num_warps=8, num_stages=3 if dim > 256 else 2)
-    config["BLOCK_K"] = min(config["BLOCK_K"], _pow2_at_least_16(dim))
+    padded = dim + (-dim % 16)  # (_aligned_rows) K steps that divide it: no step over zero padding
+    config["BLOCK_K"] = min(config["BLOCK_K"], padded & -padded)
     if kind == "forward":
         config.pop("BLOCK_D", None)
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
     config["UPCAST"] = interpret and dtype == torch.bfloat16
-    config["PRECISION"] = "ieee" if dtype == torch.float32 else "tf32"  # tf32: unused for 16-bit
+    config["PRECISION"] = precision
     return config
+
+
+def float32_precision():
+    """How float32 products run, as torch.matmul's do: IEEE under torch.get_float32_matmul_precision()
+    "highest" (the default: within 1e-5 of float64), TF32 tensor cores under "high" or "medium"
+    (a 10-bit mantissa: about 1e-3 relative)."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _aligned_rows(t, dtype):
@@ -397,6 +445,21 @@ def _multiprocessors(device, interpret):
     return 4 if interpret else 132
 
 
+LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
+
+
+def row_scales(stats, scale, alpha, beta, base):
+    """[B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i can have, read
+    from its stats) times the factor lies in (1/2, 1]. A large reference set without mining has pair
+    weights of about 1/R, subnormal in float16 beyond R = 16k, and a small grad_output shrinks them
+    further: the factor lifts each row back into full precision. A row that also holds the weights
+    of column anchors (the self case, the reference set's gradient) is lifted at most
+    LIFT_WITH_COLUMN_ANCHORS, so that it stays far below float16's 65504."""
+    minpos, maxneg, lp, ln = stats.float()
+    largest = torch.maximum(torch.exp(-alpha * (minpos - base) - lp), torch.exp(beta * (maxneg - base) - ln))
+    return torch.exp2(torch.floor(-torch.log2(scale.abs() * largest)).clamp(0, 64)).contiguous()
+
+
 def column_splits(row_programs, num_cols, block_n, multiprocessors):
     """(splits, columns per split): the columns are split over enough programs that a launch has at
     least two per multiprocessor (a memory bank of B = 1024 has only 8 row blocks), each split a
@@ -408,10 +471,26 @@ def column_splits(row_programs, num_cols, block_n, multiprocessors):
     return triton.cdiv(col_tiles, tiles_per_split), tiles_per_split * block_n
 
 
+def positive_ranges(row_keys, col_keys, block_m, self_case):
+    """(row order, column order, ranges [row blocks, 2] int32): anchors and columns sorted by label;
+    row block k (anchors row_order[k*block_m:(k+1)*block_m]) has all its positives among the columns
+    col_order[start:end], the columns whose label lies between the block's first and last label. In
+    P x M batches a block of 128 anchors spans about 128 such columns: the positives take a sliver of
+    a pass over all columns (large classes widen the range, never the result)."""
+    row_sorted, row_order = torch.sort(row_keys, stable=True)
+    col_sorted, col_order = (row_sorted, row_order) if self_case else torch.sort(col_keys, stable=True)
+    firsts = row_sorted[::block_m].contiguous()
+    lasts = row_sorted[torch.clamp(torch.arange(block_m - 1, row_keys.shape[0] + block_m - 1, block_m,
+                                                device=row_keys.device), max=row_keys.shape[0] - 1)]
+    ranges = torch.stack([torch.searchsorted(col_sorted, firsts), torch.searchsorted(col_sorted, lasts, right=True)], 1)
+    return row_order.to(torch.int32), col_order.to(torch.int32), ranges.to(torch.int32).contiguous()
+
+
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
                  skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None):
-    """(loss [B], stats [4, B], launches that fill them): mining and log-sum-exp per column split,
-    then one launch that combines the splits."""
+    """(loss [B], stats [4, B], launches that fill them): the hardest positive from each block's
+    positive range, one pass over all columns (per column split) for the negatives, and one launch
+    that combines the splits and sums the positives (`positive_ranges`)."""
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
@@ -419,22 +498,23 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret))
     row_programs = triton.cdiv(num_x, config["BLOCK_M"])
+    row_order, col_order, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"], b is a)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
                                            multiprocessors or _multiprocessors(x.device, interpret))
-    extremes = torch.empty(2, splits, num_x, dtype=torch.float32, device=x.device)
-    sums = torch.empty_like(extremes)
-    grid = (row_programs, splits)
-    common = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
-                  ref_ids_ptr=b_ids, part_ptr=extremes, num_x=num_x, num_ref=b.shape[0], dim=dim, splits=splits,
-                  cols_per_split=cols_per_split)
-    hyper = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon)
-    finish = dict(part_ptr=extremes, sums_ptr=sums, stats_ptr=stats, loss_ptr=loss, num_x=num_x, splits=splits,
-                  **hyper)
+    minpos = torch.empty(num_x, dtype=torch.float32, device=x.device)
+    partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
+    tensors = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
+                   ref_ids_ptr=b_ids, row_order_ptr=row_order, minpos_ptr=minpos, num_x=num_x, dim=dim)
+    positives = dict(col_order_ptr=col_order, range_ptr=ranges)
     launches = [
-        Launch(_mine_kernel, grid, common, config, warps, stages),
-        Launch(_lse_kernel, grid, dict(common, sums_ptr=sums, **hyper), dict(config, MINING=mining), warps, stages),
-        Launch(_finish_kernel, (triton.cdiv(num_x, 256),), finish,
-               dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, BLOCK=256), 4, 1),
+        Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), config, warps, stages),
+        Launch(_negatives_kernel, (row_programs, splits),
+               dict(tensors, part_ptr=partials, num_ref=b.shape[0], splits=splits, cols_per_split=cols_per_split,
+                    beta=beta, base=base, epsilon=epsilon), dict(config, MINING=mining), warps, stages),
+        Launch(_finish_kernel, (row_programs,),
+               dict(tensors, **positives, part_ptr=partials, stats_ptr=stats, loss_ptr=loss, splits=splits,
+                    alpha=alpha, beta=beta, base=base, epsilon=epsilon),
+               dict(config, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors), warps, stages),
     ]
     return loss, stats, launches
 
@@ -447,11 +527,12 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
-    # Pair weights enter the second product in the input dtype: scale them to |.| <= 1 so that
-    # float16 keeps its precision (grad/B under "mean" would be subnormal), and scale back at the end.
+    # Pair weights enter the second product in the input dtype: scaled to |.| <= 1 (grad/B under
+    # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (row_scales).
     scale = grad_loss.to(torch.float32).contiguous()
     norm = scale.abs().amax(dim=0, keepdim=True).clamp_min(1e-30) if num_x else scale.new_ones(1)
     scale = scale / norm
+    anchor_scale = row_scales(stats, scale, alpha, beta, base)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
@@ -460,12 +541,20 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
 
     def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
+        # rows that are anchors: their own scale; the rows of a reference set: the anchors' smallest
+        if not a_anchors:  # a reference set's rows hold every anchor's weights: the smallest lift
+            row_scale = (anchor_scale.amin(dim=0, keepdim=True) if num_x else anchor_scale.new_ones(1))
+            row_scale = row_scale.expand(rows.shape[0])
+        else:
+            row_scale = anchor_scale
+        if b_anchors:
+            row_scale = row_scale.clamp(max=LIFT_WITH_COLUMN_ANCHORS)
         row_programs = triton.cdiv(rows.shape[0], config["BLOCK_M"])
         splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
                                                multiprocessors)
         out = torch.empty_like(rows) if splits == 1 else rows.new_empty((splits, *rows.shape), dtype=torch.float32)
         args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
-                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out,
+                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, row_scale_ptr=row_scale.contiguous(),
                     num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split, **shared)
         return out, Launch(_grad_kernel, (row_programs, grid_d, splits), args,
                            dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors), warps, stages)
@@ -478,6 +567,32 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         return grad_x, x.new_empty((0,)), [launch_x]
     grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
     return grad_x, grad_ref, [launch_x, launch_ref]
+
+
+def plan_cost(launches, num_x, num_ref, dim):
+    """{"gemms": the launches' multiply-add work in GEMM-equivalents (one = 2 * num_x * num_ref * dim
+    flops, a forward X @ R^T), "programs": {kernel: programs of its launch}}, counted from the launch
+    plans themselves: grids, tile shapes, the K-steps of every S tile (padding included), each
+    program's column range and, for the positive ranges, their actual lengths."""
+    flops, programs = 0, {}
+    for launch in launches:
+        c, args, name = launch.constexprs, launch.args, launch.kernel.fn.__name__
+        if "BLOCK_N" not in c:
+            continue
+        grid = launch.grid + (1,) * (3 - len(launch.grid))
+        if "A_ANCHORS" in c:
+            name += "[dx]" if c["A_ANCHORS"] else "[dref]"
+        programs[name] = grid[0] * grid[1] * grid[2]
+        s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * triton.cdiv(args["dim"], c["BLOCK_K"])
+        per_tile = s_tile + (2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"] if "BLOCK_D" in c else 0)
+        if "range_ptr" in args:  # the positive ranges: their tiles, row block by row block
+            lengths = (args["range_ptr"][:, 1] - args["range_ptr"][:, 0]).tolist()
+            flops += per_tile * sum(triton.cdiv(n, c["BLOCK_N"]) for n in lengths)
+            continue
+        columns, per_split = args.get("num_ref", args.get("num_b")), args["cols_per_split"]
+        tiles = sum(triton.cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
+        flops += per_tile * tiles * grid[0] * (grid[1] if "BLOCK_D" in c else 1)
+    return {"gemms": flops / (2 * num_x * num_ref * dim), "programs": programs}
 
 
 def _run(plan, device, *args):

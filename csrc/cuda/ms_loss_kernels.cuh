@@ -277,13 +277,15 @@ __device__ __forceinline__ void anchor_terms(const float* stats, const float* sc
 
 // out[rows of a, d-block] = sum_J H_IJ @ b_J[:, d-block] * norm, with H_IJ = scale_i dL_i/dS_ij
 // (kRowAnchors: the rows of a are anchors) + scale_j dL_j/dS_ji (kColAnchors: the rows of b are).
+// Row r of H enters the product times row_scale[r] (a power of 2, see row_scales) and leaves it
+// divided by it.
 template <typename T, bool kRowAnchors, bool kColAnchors>
 __global__ void __launch_bounds__(kThreads, 1)
 backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, const int64_t* __restrict__ a_ids,
                 int64_t num_a, const T* __restrict__ b, const int64_t* __restrict__ b_labels,
                 const int64_t* __restrict__ b_ids, int64_t num_b, int64_t dim, const float* __restrict__ stats,
-                const float* __restrict__ scale, const float* __restrict__ norm, int64_t num_anchors,
-                Params<float> p, T* __restrict__ out) {
+                const float* __restrict__ scale, const float* __restrict__ norm,
+                const float* __restrict__ row_scale, int64_t num_anchors, Params<float> p, T* __restrict__ out) {
   using P = Plan<T>;
   alignas(128) __shared__ unsigned char smem[P::kBackwardBytes];
   __shared__ int64_t col_label[kCols], col_id[kCols];
@@ -299,6 +301,7 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
   AnchorStats<float> anchor{ms_loss::infinity<float>(), -ms_loss::infinity<float>(), 0.f, 0.f};
   float c_i = 0.f;
   if (kRowAnchors && row_ok) anchor_terms(stats, scale, num_anchors, row, p, anchor, c_i);
+  const float lift = row_ok ? row_scale[row] : 1.f;
 
   const int warp = threadIdx.x / 32, wr = (warp / 2) * 32, wc = (warp % 2) * (P::D / 2);
   constexpr int kFragCols = P::D / 32;  // 16-wide accumulator fragments per warp, row band and slice
@@ -338,6 +341,7 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
       float w = 0.f;
       if (kRowAnchors) w += c_i * ms_loss::pair_weight(v, positive, kept, anchor, p);
       if (kColAnchors) w += col_scale[c] * ms_loss::pair_weight(v, positive, kept, col_stats[c], p);
+      w *= lift;
       if constexpr (P::kTensorCores) th[r * P::kHPitch + c] = from_float<T>(w);
       else s[r * P::kSPitch + c] = w;
     }
@@ -379,7 +383,8 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
     }
   }
 
-  // Epilogue: undo the weights' normalisation, convert, store the rows and columns that exist.
+  // Epilogue: undo the weights' scaling (norm, and each row's lift), convert, store the rows and
+  // columns that exist.
   const float scale_back = *norm;
   if constexpr (P::kTensorCores) {
     float* stage = reinterpret_cast<float*>(smem);
@@ -390,8 +395,6 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
       for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < kFragCols; ++j) {
-#pragma unroll
-          for (int e = 0; e < acc[slice][i][j].num_elements; ++e) acc[slice][i][j].x[e] *= scale_back;
           wmma::store_matrix_sync(stage + (wr + 16 * i) * P::kStagePitch + wc + 16 * j, acc[slice][i][j],
                                   P::kStagePitch, wmma::mem_row_major);
         }
@@ -400,7 +403,8 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
       for (int e = threadIdx.x; e < kRows * P::D; e += kThreads) {
         const int rr = e / P::D, cc = e % P::D;
         if (row0 + rr < num_a && c0 + cc < dim)
-          out[(row0 + rr) * dim + c0 + cc] = from_float<T>(stage[rr * P::kStagePitch + cc]);
+          out[(row0 + rr) * dim + c0 + cc] =
+              from_float<T>(stage[rr * P::kStagePitch + cc] * (scale_back / row_scale[row0 + rr]));
       }
     }
   } else {
@@ -408,10 +412,11 @@ backward_kernel(const T* __restrict__ a, const int64_t* __restrict__ a_labels, c
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int64_t orow = row0 + 8 * tr + i, ocol = d0 + 4 * tc;
-      if (orow < num_a && ocol < dim)  // dim is a multiple of 4: the vector is all in or all out
+      if (orow < num_a && ocol < dim) {  // dim is a multiple of 4: the vector is all in or all out
+        const float back = scale_back / row_scale[orow];
         *reinterpret_cast<float4*>(out + orow * dim + ocol) =
-            make_float4(fma_acc[i][0] * scale_back, fma_acc[i][1] * scale_back, fma_acc[i][2] * scale_back,
-                        fma_acc[i][3] * scale_back);
+            make_float4(fma_acc[i][0] * back, fma_acc[i][1] * back, fma_acc[i][2] * back, fma_acc[i][3] * back);
+      }
     }
   }
 }
@@ -497,14 +502,28 @@ std::tuple<at::Tensor, at::Tensor> forward(
 template <typename T, bool kRowAnchors, bool kColAnchors>
 void launch_backward(const at::Tensor& a, const at::Tensor& a_labels, const at::Tensor& a_ids, const at::Tensor& b,
                      const at::Tensor& b_labels, const at::Tensor& b_ids, const at::Tensor& stats,
-                     const at::Tensor& scale, const at::Tensor& norm, const Params<float>& p, at::Tensor& out) {
+                     const at::Tensor& scale, const at::Tensor& norm, const at::Tensor& row_scale,
+                     const Params<float>& p, at::Tensor& out) {
   const int64_t rows = a.size(0), dim = a.size(1);
   const dim3 grid(unsigned((rows + kRows - 1) / kRows), unsigned((dim + Plan<T>::kBlockD - 1) / Plan<T>::kBlockD));
   if (grid.x == 0 || grid.y == 0) return;
   launch(backward_kernel<T, kRowAnchors, kColAnchors>, grid,
       rows_ptr<T>(a), a_labels.data_ptr<int64_t>(), a_ids.data_ptr<int64_t>(), rows, rows_ptr<T>(b),
       b_labels.data_ptr<int64_t>(), b_ids.data_ptr<int64_t>(), b.size(0), dim, stats.data_ptr<float>(),
-      scale.data_ptr<float>(), norm.data_ptr<float>(), stats.size(1), p, reinterpret_cast<T*>(out.data_ptr()));
+      scale.data_ptr<float>(), norm.data_ptr<float>(), row_scale.data_ptr<float>(), stats.size(1), p,
+      reinterpret_cast<T*>(out.data_ptr()));
+}
+
+// [B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i can have, read from
+// its stats) times the factor lies in (1/2, 1]. A large reference set without mining has pair weights
+// of about 1/R, subnormal in float16 beyond R = 16k, and a small grad_output shrinks them further:
+// the factor lifts each row back into full precision. A row that also holds the weights of column
+// anchors (each <= 1) is lifted at most kLiftWithColumnAnchors, far below float16's 65504.
+constexpr double kLiftWithColumnAnchors = 16384.0;
+inline at::Tensor row_scales(const at::Tensor& stats, const at::Tensor& scale, const Params<float>& p) {
+  const at::Tensor largest = at::maximum(at::exp(-p.alpha * (stats[0] - p.base) - stats[2]),
+                                         at::exp(p.beta * (stats[1] - p.base) - stats[3]));
+  return at::exp2(at::floor(-at::log2(scale.abs() * largest)).clamp(0, 64)).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> backward(
@@ -525,19 +544,24 @@ std::tuple<at::Tensor, at::Tensor> backward(
   const at::Tensor norm = B > 0 ? grad.abs().amax().clamp_min(1e-30).reshape({1}) : at::ones({1}, grad.options());
   const at::Tensor scale = grad / norm;
   const Params<float> p = make_params(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
+  // Each anchor row's lift; a reference set's rows hold every anchor's weights: the smallest one.
+  const at::Tensor lift = row_scales(st, scale, p);
+  const at::Tensor ref_lift = !want_ref ? lift
+                              : B > 0   ? lift.amin().clamp_max(kLiftWithColumnAnchors).expand({in.b.size(0)}).contiguous()
+                                        : at::ones({in.b.size(0)}, lift.options());
   at::Tensor grad_a = at::empty_like(in.a);
   at::Tensor grad_b = want_ref ? at::empty_like(in.b) : at::empty({0}, x.options());
   dispatch_dtype(in.a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if (in.self_case) {  // row block I builds G_IJ + G_JI^T itself
-      launch_backward<T, true, true>(in.a, in.a_labels, in.a_ids, in.a, in.a_labels, in.a_ids, st, scale, norm, p,
-                                     grad_a);
+      launch_backward<T, true, true>(in.a, in.a_labels, in.a_ids, in.a, in.a_labels, in.a_ids, st, scale, norm,
+                                     lift.clamp_max(kLiftWithColumnAnchors), p, grad_a);
     } else {
-      launch_backward<T, true, false>(in.a, in.a_labels, in.a_ids, in.b, in.b_labels, in.b_ids, st, scale, norm, p,
-                                      grad_a);
+      launch_backward<T, true, false>(in.a, in.a_labels, in.a_ids, in.b, in.b_labels, in.b_ids, st, scale, norm,
+                                      lift, p, grad_a);
       if (want_ref)
         launch_backward<T, false, true>(in.b, in.b_labels, in.b_ids, in.a, in.a_labels, in.a_ids, st, scale, norm,
-                                        p, grad_b);
+                                        ref_lift, p, grad_b);
     }
   });
   // back to the inputs' widths and dtypes (mixed dtypes ran promoted)

@@ -200,8 +200,7 @@ def embed(model, dataset, args, device):
 
 def evaluate(model, test, args, device):
     embeddings, labels = embed(model, test, args, device)
-    ks = [k for k in args.ks if k < len(labels)]
-    return evaluation.evaluate(embeddings, labels, ks)
+    return evaluation.evaluate(embeddings, labels, args.ks)  # a k beyond the test set is an error
 
 
 def autocast(args, device):
