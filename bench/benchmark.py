@@ -58,8 +58,9 @@ def make_inputs(batch, dim, noise=HARDNESS["typical"], ref_rows=None, device="cp
     return x, labels, ref, ref_labels
 
 
-def step_function(provider, labels, ref=None, ref_labels=None):
-    """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`)."""
+def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
+    """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`); mining=False:
+    every pair (pytorch-metric-learning's loss without its miner)."""
     if provider == "floor":
         return lambda x: (x @ (x if ref is None else ref).T).sum().backward()
     if provider == "matmul4":
@@ -71,13 +72,15 @@ def step_function(provider, labels, ref=None, ref_labels=None):
         from pytorch_metric_learning import losses, miners
 
         loss, miner = losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner()
+        if not mining:
+            return lambda x: loss(x, labels, ref_emb=ref, ref_labels=ref_labels).backward()
         if ref is None:
             return lambda x: loss(x, labels, miner(x, labels)).backward()
         return lambda x: loss(x, labels, miner(x, labels, ref, ref_labels), ref, ref_labels).backward()
     import ms_loss_cuda
 
     return lambda x: ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
-                                                        backend=provider).backward()
+                                                        mining=mining, backend=provider).backward()
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -101,7 +104,7 @@ def measure_cpu(provider, batch, args):
 
     x0, labels, _, _ = make_inputs(batch, args.dim, HARDNESS[args.hardness])
     x = x0.to(getattr(torch, args.dtype)).requires_grad_()
-    step = step_function(provider, labels)
+    step = step_function(provider, labels, mining=not args.no_mining)
     peak_rss_mib = track_peak_rss()
     start = time.perf_counter()
     step(x)  # also the warm-up
@@ -125,7 +128,7 @@ def measure_cuda(provider, inputs, args):
 
     x0, labels, ref, ref_labels = inputs
     x = x0.detach().clone().requires_grad_()
-    step = step_function(provider, labels, ref, ref_labels)
+    step = step_function(provider, labels, ref, ref_labels, mining=not args.no_mining)
 
     def run():
         x.grad = None
@@ -196,7 +199,7 @@ def available_mib(device="cpu"):
 def run_worker(provider, batch, args):
     command = [sys.executable, __file__, "--worker", provider, str(batch), "--dim", str(args.dim),
                "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
-               "--dtype", args.dtype, "--hardness", args.hardness]
+               "--dtype", args.dtype, "--hardness", args.hardness] + (["--no-mining"] if args.no_mining else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         killed = done.returncode in (-9, 137)
@@ -300,6 +303,7 @@ def main():
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--hardness", default="typical", choices=tuple(HARDNESS))
+    parser.add_argument("--no-mining", action="store_true", help="every pair, no miner (the 'mining off' level)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: " + "; ".join(f"{d}: {' '.join(p)}" for d, p in DEFAULT_PROVIDERS.items()))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
@@ -324,14 +328,15 @@ def main():
     rows, last = [], {}
     for batch, ref_rows in shapes:
         inputs = make_inputs(batch, args.dim, HARDNESS[args.hardness], ref_rows, args.device)
-        mined = reference.mined_fraction(*inputs)
+        mined = 1.0 if args.no_mining else reference.mined_fraction(*inputs)
         if args.device == "cuda":
             torch.cuda.empty_cache()  # (its similarity block would hide free memory from predicted_skip)
         dtype = getattr(torch, args.dtype)
         inputs = tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in inputs)
         for provider in providers:
             row = {"provider": provider, "batch": batch, "ref": ref_rows, "dim": args.dim, "device": args.device,
-                   "dtype": args.dtype, "hardness": args.hardness, "mined": mined}
+                   "dtype": args.dtype, "hardness": "mining off" if args.no_mining else args.hardness,
+                   "mined": mined}
             skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
             print(f"[{shape_name(batch, ref_rows):>14}] {provider:<9} ", end="", flush=True)
             if skip:

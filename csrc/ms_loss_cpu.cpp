@@ -1,15 +1,32 @@
 // Fused CPU kernel of the Multi-Similarity loss (forward and backward ops, CPU dispatch key).
 //
-// The B x R similarity matrix is never held: rows of anchors are processed in chunks whose
-// similarity block fits kChunkBytes. Per chunk, one GEMM (at::mm, multi-threaded) gives the block,
-// then each anchor row is reduced by vectorised loops (at::parallel_for over rows). The forward
-// saves only the per-anchor statistics (minpos, maxneg, LP, LN); the backward recomputes the block.
-// Self case: H = G + G^T is built row by row from the statistics of both ends of a pair, so
-// dx = H x is one more GEMM per chunk (3 GEMM-equivalents in all, as for X @ X.T forward+backward).
-// Chunks run one after another, every reduction has a fixed order: results are bitwise repeatable.
+// The B x R similarity matrix is never held beyond a memory budget (MS_LOSS_CPU_SAVED_MB, default
+// 256 MiB). The forward keeps the pair weights dL_i/dS_ij (before grad_output) for the backward,
+// after the per-anchor statistics (minpos, maxneg, LP, LN) in one self-describing buffer, the op's
+// `stats` output [4 + extra, B]:
+// - dense, when B * R weights fit the budget: S is computed whole (in the self case only its upper
+//   block triangle, half a GEMM, then mirrored), each row is mined and reduced and its weights
+//   overwrite S in place; the backward builds H = diag(g) G + G^T diag(g) (g: grad_output) and
+//   does one product, dx = H x. 1.5 GEMM-equivalents in all instead of the 3 of X @ X.T.
+// - sparse, when they do not fit but the mined pairs do (CSR: offsets, columns, weights): S goes
+//   in row chunks of 64 MiB as below, each chunk's mined pairs are compacted; the backward is
+//   nnz * D gathers.
+// - recompute (beyond that, or when a sparse forward overflows its capacity): rows in chunks of
+//   64 MiB, one GEMM per chunk; the backward recomputes each chunk and does the product (3
+//   GEMM-equivalents, as for X @ X.T forward+backward).
+// Rows are reduced by vectorised loops (at::parallel_for over rows), every reduction has a fixed
+// order, chunks run one after another: results are bitwise repeatable.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "ms_inputs.h"
 #include "ms_math.h"
@@ -67,9 +84,11 @@ MS_INLINE inline T combine_lanes(const T* lanes, Combine combine) {
   return total;
 }
 
-// Forward for one anchor row s[0..R): mining, then both log(1 + sum exp) terms.
-template <typename T, bool kMining>
-MS_CPU_CLONES void forward_row(const T* s, int64_t label, int64_t id, RefKeys ref, Params<T> p,
+// Forward for one anchor row s[0..R): mining, then both log(1 + sum exp) terms. With kStore the row
+// is overwritten with its pair weights dL_i/dS_ij (0 outside the mined sets), from the same
+// exponentials: w = exp(a - shift) * exp(shift - l).
+template <typename T, bool kMining, bool kStore>
+MS_CPU_CLONES void forward_row(T* s, int64_t label, int64_t id, RefKeys ref, Params<T> p,
                                T* stats /* [4, B] column: minpos, maxneg, lp, ln */, int64_t stride,
                                T* loss) {
   p.mining = kMining;
@@ -97,10 +116,16 @@ MS_CPU_CLONES void forward_row(const T* s, int64_t label, int64_t id, RefKeys re
     const T mined_n = ms_loss::mined_negative(v, minpos, p) ? (T(1) - positive) * kept : T(0);
     lane_a[lane] += mined_p != T(0) ? e : T(0);
     lane_b[lane] += mined_n != T(0) ? e : T(0);
+    if constexpr (kStore) s[j] = mined_p != T(0) ? -e : (mined_n != T(0) ? e : T(0));
   });
   const auto add = [](T a, T b) { return a + b; };
   const T lp = ms_loss::log1p_sum_exp(shift_p, combine_lanes(lane_a, add));
   const T ln = ms_loss::log1p_sum_exp(shift_n, combine_lanes(lane_b, add));
+  if constexpr (kStore) {
+    const T to_p = ms_loss::ms_exp(shift_p - lp), to_n = ms_loss::ms_exp(shift_n - ln);
+#pragma omp simd
+    for (int64_t j = 0; j < ref.size; ++j) s[j] *= s[j] < T(0) ? to_p : to_n;
+  }
   stats[0] = minpos;
   stats[stride] = maxneg;
   stats[2 * stride] = lp;
@@ -145,11 +170,34 @@ MS_CPU_CLONES void sparse_row_times_dense(const T* h, int64_t cols, const T* den
   }
 }
 
+// out = h @ dense, h [rows, cols] (row-major, maybe a strided view of rows): the sparse loop when
+// h has few non-zeros, else a GEMM.
 template <typename T>
-void sparse_rows_times_dense(const T* h, int64_t rows, int64_t cols, const T* dense, int64_t dim, T* out) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) sparse_row_times_dense(h + r * cols, cols, dense, dim, out + r * dim);
-  });
+void times_dense(const at::Tensor& h, const at::Tensor& dense, at::Tensor out, int64_t nonzeros = -1) {
+  if (nonzeros < 0) nonzeros = at::count_nonzero(h).item<int64_t>();
+  if (nonzeros * kSparseDensityInverse < h.numel()) {
+    const int64_t cols = h.size(1), dim = dense.size(1), ld = h.stride(0);
+    const T* h_ptr = h.data_ptr<T>();
+    at::parallel_for(0, h.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        sparse_row_times_dense(h_ptr + r * ld, cols, dense.data_ptr<T>(), dim, out.data_ptr<T>() + r * dim);
+    });
+  } else {
+    at::mm_out(out, h, dense);
+  }
+}
+
+// A buffer of many MiB, backed by transparent huge pages where the kernel offers them on request
+// (madvise mode): first touching 64 MiB in 4 KiB pages costs about 13 ms of page faults here.
+at::Tensor large_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(shape, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t begin = (start + kHuge - 1) & ~(kHuge - 1), end = (start + t.nbytes()) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
+#endif
+  return t;
 }
 
 struct Inputs {
@@ -192,7 +240,7 @@ template <typename Body>
 void for_each_chunk(const Inputs& in, Body body) {
   const int64_t B = in.x.size(0), R = in.ref.size(0);
   const int64_t chunk = std::min(B, rows_per_chunk(R, in.x.element_size()));
-  at::Tensor buffer = at::empty({chunk, R}, in.x.options());
+  at::Tensor buffer = large_empty({chunk, R}, in.x.options());
   for (int64_t i0 = 0; i0 < B; i0 += chunk) {
     const int64_t rows = std::min(chunk, B - i0);
     at::Tensor s = buffer.narrow(0, 0, rows);
@@ -201,32 +249,256 @@ void for_each_chunk(const Inputs& in, Body body) {
   }
 }
 
+// ---- saved pair weights -----------------------------------------------------------------------
+// stats = [4 + extra, B]: the statistics, then (flattened) a header element and the payload:
+// dense: G [B, R]; sparse: offsets [B + 1], columns [capacity], weights [capacity] (indices stored
+// as same-width integers). The header says which, and whether a sparse forward overflowed.
+enum class SavedMode : int64_t { kRecompute = 0, kDense = 1, kSparse = 2, kOverflow = 3 };
+constexpr int64_t kBlock = 256;  // the tile edge of the symmetric products and transposes
+
+struct SavedLayout {
+  SavedMode mode;
+  int64_t capacity, extra_rows;
+};
+
+// Entries of a sparse payload of `numel` elements: offsets [B + 1], then columns and weights.
+int64_t sparse_capacity(int64_t numel, int64_t B, int64_t elem_size) {
+  const int64_t capacity = (numel - 1 - (B + 1)) / 2;
+  return elem_size == 4 ? std::min<int64_t>(capacity, std::numeric_limits<int32_t>::max()) : capacity;
+}
+
+int64_t saved_budget_bytes() {
+  const char* text = std::getenv("MS_LOSS_CPU_SAVED_MB");
+  const double mb = text != nullptr ? std::atof(text) : 256.0;
+  return mb > 0 ? int64_t(mb * double(1 << 20)) : 0;
+}
+
+// Must match ms_loss_cuda/ops.py's cpu_stats_rows (the fake kernel's shape).
+SavedLayout saved_layout(int64_t B, int64_t R, int64_t elem_size) {
+  const int64_t budget = saved_budget_bytes() / elem_size;  // elements
+  if (B == 0 || R == 0 || budget <= 0) return {SavedMode::kRecompute, 0, 0};
+  if (B <= (budget - 1) / R) return {SavedMode::kDense, 0, (1 + B * R + B - 1) / B};
+  const int64_t capacity = sparse_capacity(budget, B, elem_size);
+  if (capacity < B) return {SavedMode::kRecompute, 0, 0};
+  return {SavedMode::kSparse, capacity, (1 + B + 1 + 2 * capacity + B - 1) / B};
+}
+
+at::ScalarType index_dtype(const at::Tensor& t) { return t.element_size() == 4 ? at::kInt : at::kLong; }
+
+struct Saved {  // views of the payload
+  SavedMode mode;
+  at::Tensor dense;                      // [B, R]
+  at::Tensor offsets, columns, weights;  // CSR
+};
+
+Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
+  Saved saved{SavedMode::kRecompute, {}, {}, {}, {}};
+  if (stats.size(0) == 4 || B == 0) return saved;
+  const at::Tensor flat = stats.view(-1).narrow(0, 4 * B, stats.numel() - 4 * B);
+  saved.mode = SavedMode(int64_t(flat[0].item<double>()));
+  if (saved.mode == SavedMode::kDense) {
+    saved.dense = flat.narrow(0, 1, B * R).view({B, R});
+  } else if (saved.mode == SavedMode::kSparse) {
+    const int64_t capacity = sparse_capacity(flat.numel(), B, flat.element_size());
+    saved.offsets = flat.narrow(0, 1, B + 1).view(index_dtype(flat));
+    saved.columns = flat.narrow(0, B + 2, capacity).view(index_dtype(flat));
+    saved.weights = flat.narrow(0, B + 2 + capacity, capacity);
+  }
+  return saved;
+}
+
+// s [B, B] = x x^T from the upper block triangle (half the products), mirrored.
+void symmetric_similarity(const at::Tensor& x, at::Tensor s) {
+  const int64_t B = x.size(0);
+
+  for (int64_t i0 = 0; i0 < B; i0 += kBlock) {
+    const int64_t rows = std::min(kBlock, B - i0);
+    at::Tensor out = s.narrow(0, i0, rows).narrow(1, i0, B - i0);  // row-major with leading dimension B
+    at::mm_out(out, x.narrow(0, i0, rows), x.narrow(0, i0, B - i0).t());
+  }
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "symmetric_similarity", [&] {
+    scalar_t* p = s.data_ptr<scalar_t>();
+    const int64_t blocks = (B + kBlock - 1) / kBlock;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bi = begin; bi < end; ++bi)  // tile (bi, bj) of the lower triangle from tile (bj, bi)
+        for (int64_t bj = 0; bj <= bi; ++bj)
+          for (int64_t i = bi * kBlock; i < std::min(B, (bi + 1) * kBlock); ++i)
+            for (int64_t j = bj * kBlock; j < std::min(i, (bj + 1) * kBlock); ++j) p[i * B + j] = p[j * B + i];
+    });
+  });
+}
+
+// h = rows i0 .. i0 + rows of diag(g) G + G^T diag(g) ([rows, B]), tile by tile: each tile of G^T
+// is transposed into a small buffer first, so that the sum runs along contiguous rows. Returns the
+// number of non-zeros.
+constexpr int64_t kTile = 64;
+
+template <typename T>
+int64_t symmetric_weight_rows(const T* G, const T* g, int64_t B, int64_t i0, int64_t rows, T* h) {
+  const int64_t tiles = (rows + kTile - 1) / kTile, col_tiles = (B + kTile - 1) / kTile;
+  std::vector<int64_t> nonzeros(tiles, 0);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    T buffer[kTile * kTile];
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const int64_t r0 = i0 + ti * kTile, tile_rows = std::min(kTile, i0 + rows - r0);
+      int64_t count = 0;
+      for (int64_t tj = 0; tj < col_tiles; ++tj) {
+        const int64_t j0 = tj * kTile, cols = std::min(kTile, B - j0);
+        for (int64_t c = 0; c < cols; ++c)  // buffer[r][c] = g[j0 + c] * G[j0 + c][r0 + r]
+          for (int64_t r = 0; r < tile_rows; ++r) buffer[r * kTile + c] = G[(j0 + c) * B + r0 + r] * g[j0 + c];
+        for (int64_t r = 0; r < tile_rows; ++r) {
+          const T gi = g[r0 + r];
+          const T* row = G + (r0 + r) * B + j0;
+          T* out = h + (r0 - i0 + r) * B + j0;
+          const T* mirrored = buffer + r * kTile;
+#pragma omp simd reduction(+ : count)
+          for (int64_t c = 0; c < cols; ++c) {
+            out[c] = gi * row[c] + mirrored[c];
+            count += out[c] != T(0);
+          }
+        }
+      }
+      nonzeros[ti] = count;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t n : nonzeros) total += n;
+  return total;
+}
+
+// CSR of rows_count rows -> CSR of its transpose (cols_count rows), entries of each new row in the
+// order of the old rows: a counting sort, deterministic.
+template <typename I, typename T>
+void transpose_csr(const I* offsets, const I* columns, const T* weights, int64_t rows_count, int64_t cols_count,
+                   std::vector<int64_t>& t_offsets, std::vector<int64_t>& t_rows, std::vector<T>& t_weights) {
+  const int64_t nnz = int64_t(offsets[rows_count]);
+  t_offsets.assign(cols_count + 1, 0);
+  for (int64_t k = 0; k < nnz; ++k) ++t_offsets[int64_t(columns[k]) + 1];
+  for (int64_t c = 0; c < cols_count; ++c) t_offsets[c + 1] += t_offsets[c];
+  std::vector<int64_t> next(t_offsets.begin(), t_offsets.end() - 1);
+  t_rows.resize(nnz);
+  t_weights.resize(nnz);
+  for (int64_t r = 0; r < rows_count; ++r)
+    for (int64_t k = int64_t(offsets[r]); k < int64_t(offsets[r + 1]); ++k) {
+      const int64_t at = next[int64_t(columns[k])]++;
+      t_rows[at] = r;
+      t_weights[at] = weights[k];
+    }
+}
+
+// out[r] (+)= factor[r] * sum_k w[k] * row_scale[idx[k]] * dense[idx[k]] over row r's entries.
+template <typename O, typename I, typename T>
+void csr_times_dense(const O* offsets, const I* idx, const T* w, int64_t rows, const T* row_scale,
+                     const T* factor, const T* dense, int64_t dim, T* out, bool accumulate) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> acc(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      std::fill(acc.begin(), acc.end(), T(0));
+      for (int64_t k = int64_t(offsets[r]); k < int64_t(offsets[r + 1]); ++k) {
+        const int64_t j = int64_t(idx[k]);
+        const T c = w[k] * (row_scale != nullptr ? row_scale[j] : T(1));
+        const T* d = dense + j * dim;
+        T* a = acc.data();
+#pragma omp simd
+        for (int64_t q = 0; q < dim; ++q) a[q] += c * d[q];
+      }
+      const T f = factor != nullptr ? factor[r] : T(1);
+      T* o = out + r * dim;
+      for (int64_t q = 0; q < dim; ++q) o[q] = (accumulate ? o[q] : T(0)) + f * acc[q];
+    }
+  });
+}
+
+// ---- the ops ------------------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
     const at::Tensor& x, const at::Tensor& labels, const std::optional<at::Tensor>& ids,
     const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& ref_labels,
     const std::optional<at::Tensor>& ref_ids, double alpha, double beta, double base,
     double epsilon, bool mining, bool skip_incomplete_anchors) {
   const Inputs in = prepare(x, labels, ids, ref, ref_labels, ref_ids);
-  const int64_t B = in.x.size(0);
+  const int64_t B = in.x.size(0), R = in.ref.size(0);
+  const SavedLayout layout = saved_layout(B, R, in.x.element_size());
   at::Tensor loss = at::empty({B}, in.x.options());
-  at::Tensor stats = at::empty({4, B}, in.x.options());
+  at::Tensor stats = large_empty({4 + layout.extra_rows, B}, in.x.options());
+  if (B == 0) return {loss, stats};
   AT_DISPATCH_FLOATING_TYPES(in.x.scalar_type(), "ms_loss_forward_cpu", [&] {
     const auto p = make_params<scalar_t>(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
-    const RefKeys keys{in.ref_labels.data_ptr<int64_t>(), in.ref_ids.data_ptr<int64_t>(), in.ref.size(0)};
+    const RefKeys keys{in.ref_labels.data_ptr<int64_t>(), in.ref_ids.data_ptr<int64_t>(), R};
     const int64_t* labels_ptr = in.labels.data_ptr<int64_t>();
     const int64_t* ids_ptr = in.ids.data_ptr<int64_t>();
     scalar_t* stats_ptr = stats.data_ptr<scalar_t>();
     scalar_t* loss_ptr = loss.data_ptr<scalar_t>();
+    const bool store = layout.mode != SavedMode::kRecompute;
+    const auto reduce_rows = [&](int64_t i0, int64_t rows, scalar_t* s_ptr) {
+      const auto row = store ? (mining ? forward_row<scalar_t, true, true> : forward_row<scalar_t, false, true>)
+                             : (mining ? forward_row<scalar_t, true, false> : forward_row<scalar_t, false, false>);
+      at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          row(s_ptr + r * R, labels_ptr[i0 + r], ids_ptr[i0 + r], keys, p, stats_ptr + i0 + r, B, loss_ptr + i0 + r);
+      });
+    };
+    if (!store) {
+      for_each_chunk(in, [&](int64_t i0, int64_t rows, const at::Tensor& s) { reduce_rows(i0, rows, s.data_ptr<scalar_t>()); });
+      return;
+    }
+    // (every element of stats is written, padding included: the same inputs give the same bits)
+    at::Tensor flat = stats.view(-1).narrow(0, 4 * B, stats.numel() - 4 * B);
+    if (layout.mode == SavedMode::kDense) {
+      flat[0] = double(SavedMode::kDense);
+      flat.narrow(0, 1 + B * R, flat.numel() - 1 - B * R).zero_();
+      at::Tensor s = flat.narrow(0, 1, B * R).view({B, R});
+      if (in.self_case) symmetric_similarity(in.x, s);
+      else at::mm_out(s, in.x, in.ref.t());
+      reduce_rows(0, B, s.data_ptr<scalar_t>());
+      return;
+    }
+    // sparse: each chunk's weights compacted into the CSR; an overflow falls back to recomputing
+    using index_t = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
+    const int64_t capacity = sparse_capacity(flat.numel(), B, flat.element_size());
+    index_t* offsets = reinterpret_cast<index_t*>(flat.data_ptr<scalar_t>() + 1);
+    index_t* columns = offsets + B + 1;
+    scalar_t* weights = reinterpret_cast<scalar_t*>(columns + capacity);
+    offsets[0] = 0;
+    bool overflow = false;
+    std::vector<int64_t> counts;
     for_each_chunk(in, [&](int64_t i0, int64_t rows, const at::Tensor& s) {
-      const scalar_t* s_ptr = s.data_ptr<scalar_t>();
+      scalar_t* s_ptr = s.data_ptr<scalar_t>();
+      reduce_rows(i0, rows, s_ptr);
+      if (overflow) return;
+      counts.assign(rows, 0);
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          const int64_t i = i0 + r;
-          (mining ? forward_row<scalar_t, true> : forward_row<scalar_t, false>)(
-              s_ptr + r * keys.size, labels_ptr[i], ids_ptr[i], keys, p, stats_ptr + i, B, loss_ptr + i);
+          int64_t n = 0;
+          for (int64_t j = 0; j < R; ++j) n += s_ptr[r * R + j] != scalar_t(0);
+          counts[r] = n;
+        }
+      });
+      int64_t total = int64_t(offsets[i0]);
+      for (int64_t r = 0; r < rows; ++r) total += counts[r];
+      if (total > capacity) {
+        overflow = true;
+        return;
+      }
+      for (int64_t r = 0; r < rows; ++r) offsets[i0 + r + 1] = index_t(int64_t(offsets[i0 + r]) + counts[r]);
+      at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          int64_t at = int64_t(offsets[i0 + r]);
+          for (int64_t j = 0; j < R; ++j)
+            if (s_ptr[r * R + j] != scalar_t(0)) columns[at] = index_t(j), weights[at++] = s_ptr[r * R + j];
         }
       });
     });
+    if (overflow) {
+      flat.zero_();
+      flat[0] = double(SavedMode::kOverflow);
+    } else {
+      const int64_t nnz = int64_t(offsets[B]);
+      std::fill(columns + nnz, columns + capacity, index_t(0));
+      std::fill(weights + nnz, weights + capacity, scalar_t(0));
+      const int64_t used = 1 + (B + 1) + 2 * capacity;
+      flat.narrow(0, used, flat.numel() - used).zero_();
+      flat[0] = double(SavedMode::kSparse);
+    }
   });
   return {loss, stats};
 }
@@ -238,17 +510,19 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
     const std::optional<at::Tensor>& ref_ids, double alpha, double beta, double base,
     double epsilon, bool mining, bool skip_incomplete_anchors, bool ref_grad) {
   const Inputs in = prepare(x, labels, ids, ref, ref_labels, ref_ids);
-  const int64_t B = in.x.size(0);
+  const int64_t B = in.x.size(0), R = in.ref.size(0), D = in.x.size(1);
   const bool want_ref = !in.self_case && ref_grad;
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == B && stats.dim() == 2 &&
-                  stats.size(0) == 4 && stats.size(1) == B,
-              "ms_loss_backward: expected grad_loss [B] and stats [4, B] with B = ", B);
-  const at::Tensor st = stats.to(in.x.scalar_type()).contiguous();
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == B && stats.dim() == 2 && stats.size(0) >= 4 &&
+                  stats.size(1) == B,
+              "ms_loss_backward: expected grad_loss [B] and stats [4 (+ saved weights), B] with B = ", B);
+  const at::Tensor st_all = stats.to(in.x.scalar_type()).contiguous();
+  const at::Tensor st = st_all.narrow(0, 0, 4).contiguous();
+  const Saved saved = saved_views(st_all, B, R);
   at::Tensor grad_x = at::empty_like(in.x);
   at::Tensor grad_ref = want_ref ? at::zeros_like(in.ref) : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES(in.x.scalar_type(), "ms_loss_backward_cpu", [&] {
     const auto p = make_params<scalar_t>(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
-    const RefKeys keys{in.ref_labels.data_ptr<int64_t>(), in.ref_ids.data_ptr<int64_t>(), in.ref.size(0)};
+    const RefKeys keys{in.ref_labels.data_ptr<int64_t>(), in.ref_ids.data_ptr<int64_t>(), R};
     const int64_t* labels_ptr = in.labels.data_ptr<int64_t>();
     const int64_t* ids_ptr = in.ids.data_ptr<int64_t>();
     const scalar_t* st_ptr = st.data_ptr<scalar_t>();
@@ -257,6 +531,43 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
     scalar_t* scale_ptr = scale.data_ptr<scalar_t>();
     for (int64_t i = 0; i < B; ++i) {
       if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) scale_ptr[i] = 0;
+    }
+    if (saved.mode == SavedMode::kDense) {
+      if (in.self_case) {  // dx = H x, H = diag(g) G + G^T diag(g), built and multiplied in row blocks
+        const int64_t block = std::max(kTile, rows_per_chunk(B, in.x.element_size()) / 8 / kTile * kTile);
+        at::Tensor h = at::empty({std::min(block, B), B}, in.x.options());
+        for (int64_t i0 = 0; i0 < B; i0 += block) {
+          const int64_t rows = std::min(block, B - i0);
+          at::Tensor h_rows = h.narrow(0, 0, rows);
+          const int64_t nonzeros = symmetric_weight_rows(saved.dense.data_ptr<scalar_t>(), scale_ptr, B, i0, rows,
+                                                         h_rows.data_ptr<scalar_t>());
+          times_dense<scalar_t>(h_rows, in.x, grad_x.narrow(0, i0, rows), nonzeros);
+        }
+      } else {
+        times_dense<scalar_t>(saved.dense, in.ref, grad_x);
+        grad_x.mul_(scale.unsqueeze(1));
+        if (want_ref) at::mm_out(grad_ref, saved.dense.t(), in.x * scale.unsqueeze(1));
+      }
+      return;
+    }
+    if (saved.mode == SavedMode::kSparse) {
+      using index_t = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
+      const index_t* offsets = saved.offsets.data_ptr<index_t>();
+      const index_t* columns = saved.columns.data_ptr<index_t>();
+      const scalar_t* weights = saved.weights.data_ptr<scalar_t>();
+      // dx_i = g_i sum_j G_ij r_j (+ sum_k g_k G_ki x_k in the self case); dref_j = sum_i g_i G_ij x_i
+      csr_times_dense(offsets, columns, weights, B, static_cast<const scalar_t*>(nullptr), scale_ptr,
+                      in.ref.data_ptr<scalar_t>(), D, grad_x.data_ptr<scalar_t>(), false);
+      if (in.self_case || want_ref) {
+        std::vector<int64_t> t_offsets, t_rows;
+        std::vector<scalar_t> t_weights;
+        transpose_csr(offsets, columns, weights, B, R, t_offsets, t_rows, t_weights);
+        at::Tensor target = in.self_case ? grad_x : grad_ref;
+        csr_times_dense(t_offsets.data(), t_rows.data(), t_weights.data(), R, scale_ptr,
+                        static_cast<const scalar_t*>(nullptr), in.x.data_ptr<scalar_t>(), D,
+                        target.data_ptr<scalar_t>(), in.self_case);
+      }
+      return;
     }
     const auto row = in.self_case ? (mining ? backward_row<scalar_t, true, true>
                                             : backward_row<scalar_t, false, true>)
@@ -272,15 +583,8 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
               scale_ptr, p);
         }
       });
-      // s now holds dL/dS for the chunk's rows (G_I, or (G + G^T)_I in the self case). Mining
-      // keeps few pairs: a sparse block costs nnz * D instead of a GEMM.
-      at::Tensor grad_x_rows = grad_x.narrow(0, i0, rows);
-      if (at::count_nonzero(s).item<int64_t>() * kSparseDensityInverse < s.numel()) {
-        sparse_rows_times_dense(s_ptr, rows, keys.size, in.ref.data_ptr<scalar_t>(), in.x.size(1),
-                                grad_x_rows.data_ptr<scalar_t>());
-      } else {
-        at::mm_out(grad_x_rows, s, in.ref);
-      }
+      // s now holds dL/dS for the chunk's rows (G_I, or (G + G^T)_I in the self case).
+      times_dense<scalar_t>(s, in.ref, grad_x.narrow(0, i0, rows));
       if (want_ref) grad_ref.addmm_(s.t(), in.x.narrow(0, i0, rows));
     });
   });

@@ -6,6 +6,8 @@ schema (ms_loss_cuda.triton_kernels). `register_fused_op` gives each pair one fa
 autograd formula, so `torch.compile` and `opcheck` see every backend the same way.
 `LOAD_ERROR` holds why the extension could not be loaded (None when it was).
 """
+import os
+
 import torch
 
 try:
@@ -24,17 +26,36 @@ def _compute_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def register_fused_op(forward_name, backward_name, backward_op):
+def cpu_saved_rows(batch, ref_rows, elem_size):
+    """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward
+    (csrc/ms_loss_cpu.cpp, saved_layout): dense when B * R weights fit MS_LOSS_CPU_SAVED_MB (default
+    256), else a sparse payload of that size, else none (the backward recomputes the similarities)."""
+    budget = int(float(os.environ.get("MS_LOSS_CPU_SAVED_MB", "256")) * (1 << 20)) // elem_size
+    if batch == 0 or ref_rows == 0 or budget <= 0:
+        return 0
+    if batch <= (budget - 1) // ref_rows:
+        return -(-(1 + batch * ref_rows) // batch)
+    capacity = (budget - 1 - (batch + 1)) // 2
+    if elem_size == 4:
+        capacity = min(capacity, 2 ** 31 - 1)
+    return -(-(1 + batch + 1 + 2 * capacity) // batch) if capacity >= batch else 0
+
+
+def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None):
     """Fake kernels and autograd for a (forward, backward) pair of ops with the schemas of
     csrc/ms_loss_schema.h: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
-    stats [4, B]); backward(grad_loss, stats, x, ..., *hyper, ref_grad) -> (grad_x, grad_ref or empty
-    [0]). Autograd asks for grad_ref only when ref requires a gradient (a memory bank does not)."""
+    stats [4 (+ saved_rows(B, R, element size) on CPU tensors), B]); backward(grad_loss, stats, x, ...,
+    *hyper, ref_grad) -> (grad_x, grad_ref or empty [0]). Autograd asks for grad_ref only when ref
+    requires a gradient (a memory bank does not)."""
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
         batch = x.shape[0]
         dtype = _compute_dtype(x)
-        return x.new_empty((batch,), dtype=dtype), x.new_empty((4, batch), dtype=dtype)
+        extra = 0
+        if saved_rows is not None and x.device.type == "cpu":
+            extra = saved_rows(batch, batch if ref is None else ref.shape[0], 8 if dtype == torch.float64 else 4)
+        return x.new_empty((batch,), dtype=dtype), x.new_empty((4 + extra, batch), dtype=dtype)
 
     @torch.library.register_fake(backward_name)
     def _backward_fake(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
@@ -61,4 +82,5 @@ def register_fused_op(forward_name, backward_name, backward_op):
 if LOAD_ERROR is None:
     forward_op = torch.ops.ms_loss_cuda.ms_loss_forward.default
     backward_op = torch.ops.ms_loss_cuda.ms_loss_backward.default
-    register_fused_op("ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward", backward_op)
+    register_fused_op("ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward", backward_op,
+                      saved_rows=cpu_saved_rows)

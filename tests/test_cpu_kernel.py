@@ -38,11 +38,16 @@ def test_sizes(batch, dim, mining):
         check_against_reference("cpu", build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, mining=mining)
 
 
-@pytest.mark.parametrize("mining", [True, False])
-def test_several_row_chunks(mining):
-    # 4500 x 4500 float64 similarities do not fit one 64 MiB chunk: rows go in 3 chunks.
-    kwargs = build_case("self", 4500, 3, torch.float64, seed=7)
-    check_against_reference("cpu", kwargs, torch.float64, "none", mining=mining)
+@pytest.mark.parametrize("mining,mode", [(True, "dense"), (False, "dense"), (True, "sparse"), (True, "recompute")])
+def test_several_row_chunks(monkeypatch, mining, mode):
+    # 4500 x 4500 float64 similarities do not fit one 64 MiB chunk: rows go in 3 chunks (sparse,
+    # recompute), and the dense backward builds its symmetric weights in blocks of 192 rows.
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 4500, 4500, 8))
+    x, labels = make_batch(4500, 8, 1125, dtype=torch.float64, seed=7, spread=0.5)  # mining keeps few pairs
+    _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
+                                                      2.0, 50.0, 0.5, 0.1, mining, False)
+    assert _saved_code(stats, 4500) == {"dense": 1, "sparse": 2, "recompute": 0}[mode]
+    check_against_reference("cpu", dict(embeddings=x, labels=labels), torch.float64, "none", mining=mining)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -161,3 +166,85 @@ def test_sparse_backward_path(case):
     check_against_reference("cpu", kwargs, torch.float64, "none")
     check_against_reference("cpu", {k: (v.float() if v.is_floating_point() else v) for k, v in kwargs.items()},
                             torch.float32, "mean")
+
+
+# ---- the pair weights the forward keeps: dense, sparse (CSR) or none (recomputed) ---------------
+SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3}
+
+
+def _budget_mb(mode, batch, ref_rows, elem_size):
+    """MS_LOSS_CPU_SAVED_MB that makes the forward keep its weights `mode`-wise: sparse with room for
+    about half of the B x R pairs, where the dense weights do not fit (mining keeps fewer; without
+    mining the forward overflows and the backward recomputes)."""
+    if mode == "dense":
+        return "256"
+    if mode == "recompute":
+        return "0"
+    elements = batch * ref_rows - batch  # capacity (elements - 1 - (B + 1)) / 2: about B * R / 2
+    return repr(elements * elem_size / 2 ** 20)
+
+
+def _saved_code(stats, batch):
+    return 0 if stats.shape[0] == 4 else int(stats.reshape(-1)[4 * batch].item())
+
+
+def _clustered(case, dtype):
+    """97 anchors (and a reference set of 60) around the same class centres: mining keeps a minority
+    of the pairs."""
+    x, labels = make_batch(157, 24, 30, dtype=dtype, seed=21)
+    kwargs = dict(embeddings=x[:97], labels=labels[:97])
+    if case == "ref_ids":
+        kwargs.update(ref_embeddings=x[97:], ref_labels=labels[97:], ids=torch.arange(97), ref_ids=torch.arange(97, 157))
+    return kwargs
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mining", [True, False])
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
+    kwargs = _clustered(case, dtype)
+    ref_rows = kwargs["ref_embeddings"].shape[0] if "ref_embeddings" in kwargs else 97
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, ref_rows, dtype.itemsize))
+    x = F.normalize(kwargs["embeddings"], dim=1)
+    ref = F.normalize(kwargs["ref_embeddings"], dim=1) if "ref_embeddings" in kwargs else None
+    _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, kwargs["labels"], kwargs.get("ids"), ref,
+                                                      kwargs.get("ref_labels"), kwargs.get("ref_ids"),
+                                                      2.0, 50.0, 0.5, 0.1, mining, False)
+    expected = {"dense": [1], "recompute": [0], "sparse": [2] if mining else [3]}[mode]
+    assert _saved_code(stats, 97) in expected
+    assert stats.shape == (4 + ms_loss_cuda.ops.cpu_saved_rows(97, ref_rows, dtype.itemsize), 97)  # the fake's
+    check_against_reference("cpu", kwargs, dtype, "none", mining=mining)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_saved_weights_are_deterministic_and_pass_opcheck(monkeypatch, mode, case):
+    kwargs = _clustered(case, torch.float32)
+    x = F.normalize(kwargs["embeddings"], dim=1).requires_grad_()
+    ref = F.normalize(kwargs["ref_embeddings"], dim=1).requires_grad_() if "ref_embeddings" in kwargs else None
+    args = (x, kwargs["labels"], kwargs.get("ids"), ref, kwargs.get("ref_labels"), kwargs.get("ref_ids"),
+            2.0, 50.0, 0.5, 0.1, True, False)
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, 97 if ref is None else ref.shape[0], 4))
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
+    assert _saved_code(stats, 97) == SAVED_CODES[mode]
+    grad = torch.rand_like(loss)
+    first = torch.ops.ms_loss_cuda.ms_loss_backward(grad, stats, *detached)
+    for _ in range(2):
+        again_loss, again_stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
+        assert torch.equal(again_loss, loss) and torch.equal(again_stats, stats)
+        again = torch.ops.ms_loss_cuda.ms_loss_backward(grad, again_stats, *detached)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_forward.default, args)
+    torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_backward.default, (grad, stats) + detached)
+
+
+def test_a_second_backward_sees_the_same_saved_weights():
+    """retain_graph: the backward never changes what the forward saved."""
+    x, labels = make_batch(50, 8, 7, dtype=torch.float32)
+    x.requires_grad_()
+    loss = multi_similarity_loss(x, labels, backend="cpu")
+    (first,) = torch.autograd.grad(loss, x, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, x)
+    assert torch.equal(first, second)
