@@ -1,19 +1,20 @@
 // Fused CPU kernel of the Multi-Similarity loss (forward and backward ops, CPU dispatch key).
 //
 // The B x R similarity matrix is never held beyond a memory budget (MS_LOSS_CPU_SAVED_MB, default
-// 256 MiB). The forward keeps the pair weights dL_i/dS_ij (before grad_output) for the backward,
-// after the per-anchor statistics (minpos, maxneg, LP, LN) in one self-describing buffer, the op's
-// `stats` output [4 + extra, B]:
+// 256 MiB). The forward keeps the pair weights G_ij = dL_i/dS_ij (before grad_output g) for the
+// backward, after the per-anchor statistics (minpos, maxneg, LP, LN), in one self-describing
+// buffer: the op's `stats` output [4 + extra, B].
 // - dense, when B * R weights fit the budget: S is computed whole (in the self case only its upper
-//   block triangle, half a GEMM, then mirrored), each row is mined and reduced and its weights
-//   overwrite S in place; the backward builds H = diag(g) G + G^T diag(g) (g: grad_output) and
-//   does one product, dx = H x. 1.5 GEMM-equivalents in all instead of the 3 of X @ X.T.
-// - sparse, when they do not fit but the mined pairs do (CSR: offsets, columns, weights): S goes
-//   in row chunks of 64 MiB as below, each chunk's mined pairs are compacted; the backward is
-//   nnz * D gathers.
+//   block triangle, half the products, then mirrored); each row is mined and reduced and its weights
+//   overwrite S in place. The backward never recomputes S: dx = diag(g) G r (+ G^T diag(g) x in the
+//   self case), dref = G^T diag(g) x, as BLAS products, or as gathers over the non-zeros when
+//   mining kept fewer than 1 pair in 16.
+// - sparse, when they do not fit but at least 1 pair in 16 does (CSR: offsets, columns, weights):
+//   S goes in row chunks of 64 MiB as below, each chunk's mined pairs are compacted; the backward
+//   is gathers (nnz * D).
 // - recompute (beyond that, or when a sparse forward overflows its capacity): rows in chunks of
-//   64 MiB, one GEMM per chunk; the backward recomputes each chunk and does the product (3
-//   GEMM-equivalents, as for X @ X.T forward+backward).
+//   64 MiB, one GEMM per chunk; the backward recomputes each chunk, builds (G + G^T) row by row from
+//   the statistics of both ends, and does the product.
 // Rows are reduced by vectorised loops (at::parallel_for over rows), every reduction has a fixed
 // order, chunks run one after another: results are bitwise repeatable.
 #include <ATen/ATen.h>
@@ -279,7 +280,7 @@ SavedLayout saved_layout(int64_t B, int64_t R, int64_t elem_size) {
   if (B == 0 || R == 0 || budget <= 0) return {SavedMode::kRecompute, 0, 0};
   if (B <= (budget - 1) / R) return {SavedMode::kDense, 0, (1 + B * R + B - 1) / B};
   const int64_t capacity = sparse_capacity(budget, B, elem_size);
-  if (capacity < B) return {SavedMode::kRecompute, 0, 0};
+  if (capacity < B || capacity < B * R / kSparseDensityInverse) return {SavedMode::kRecompute, 0, 0};
   return {SavedMode::kSparse, capacity, (1 + B + 1 + 2 * capacity + B - 1) / B};
 }
 
@@ -328,42 +329,30 @@ void symmetric_similarity(const at::Tensor& x, at::Tensor s) {
   });
 }
 
-// h = rows i0 .. i0 + rows of diag(g) G + G^T diag(g) ([rows, B]), tile by tile: each tile of G^T
-// is transposed into a small buffer first, so that the sum runs along contiguous rows. Returns the
-// number of non-zeros.
-constexpr int64_t kTile = 64;
-
+// The non-zeros of each row of a dense [rows, cols] matrix (rows in parallel).
 template <typename T>
-int64_t symmetric_weight_rows(const T* G, const T* g, int64_t B, int64_t i0, int64_t rows, T* h) {
-  const int64_t tiles = (rows + kTile - 1) / kTile, col_tiles = (B + kTile - 1) / kTile;
-  std::vector<int64_t> nonzeros(tiles, 0);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    T buffer[kTile * kTile];
-    for (int64_t ti = begin; ti < end; ++ti) {
-      const int64_t r0 = i0 + ti * kTile, tile_rows = std::min(kTile, i0 + rows - r0);
-      int64_t count = 0;
-      for (int64_t tj = 0; tj < col_tiles; ++tj) {
-        const int64_t j0 = tj * kTile, cols = std::min(kTile, B - j0);
-        for (int64_t c = 0; c < cols; ++c)  // buffer[r][c] = g[j0 + c] * G[j0 + c][r0 + r]
-          for (int64_t r = 0; r < tile_rows; ++r) buffer[r * kTile + c] = G[(j0 + c) * B + r0 + r] * g[j0 + c];
-        for (int64_t r = 0; r < tile_rows; ++r) {
-          const T gi = g[r0 + r];
-          const T* row = G + (r0 + r) * B + j0;
-          T* out = h + (r0 - i0 + r) * B + j0;
-          const T* mirrored = buffer + r * kTile;
+MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
+  int64_t count = 0;
 #pragma omp simd reduction(+ : count)
-          for (int64_t c = 0; c < cols; ++c) {
-            out[c] = gi * row[c] + mirrored[c];
-            count += out[c] != T(0);
-          }
-        }
-      }
-      nonzeros[ti] = count;
+  for (int64_t j = 0; j < cols; ++j) count += row[j] != T(0) ? 1 : 0;
+  return count;
+}
+
+// CSR of a dense matrix from its rows' non-zero counts: offsets [rows + 1], columns, values.
+template <typename T>
+void dense_to_csr(const T* h, int64_t rows, int64_t cols, const std::vector<int64_t>& counts,
+                  std::vector<int64_t>& offsets, std::vector<int64_t>& columns, std::vector<T>& values) {
+  offsets.assign(rows + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) offsets[r + 1] = offsets[r] + counts[r];
+  columns.resize(offsets[rows]);
+  values.resize(offsets[rows]);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t at = offsets[r];
+      for (int64_t j = 0; j < cols; ++j)
+        if (h[r * cols + j] != T(0)) columns[at] = j, values[at++] = h[r * cols + j];
     }
   });
-  int64_t total = 0;
-  for (int64_t n : nonzeros) total += n;
-  return total;
 }
 
 // CSR of rows_count rows -> CSR of its transpose (cols_count rows), entries of each new row in the
@@ -407,6 +396,24 @@ void csr_times_dense(const O* offsets, const I* idx, const T* w, int64_t rows, c
       for (int64_t q = 0; q < dim; ++q) o[q] = (accumulate ? o[q] : T(0)) + f * acc[q];
     }
   });
+}
+
+// The backward from the pair weights G in CSR (rows: anchors): dx_i = g_i sum_j G_ij r_j, plus
+// sum_k g_k G_ki x_k in the self case; dref_j = sum_i g_i G_ij x_i. Gathers only (the transpose is
+// a counting sort): nnz * D work, deterministic.
+template <typename T, typename O, typename I>
+void csr_backward(const O* offsets, const I* columns, const T* weights, int64_t B, int64_t R, const T* g,
+                  const Inputs& in, bool want_ref, at::Tensor& grad_x, at::Tensor& grad_ref) {
+  const int64_t D = in.x.size(1);
+  csr_times_dense(offsets, columns, weights, B, static_cast<const T*>(nullptr), g, in.ref.data_ptr<T>(), D,
+                  grad_x.data_ptr<T>(), false);
+  if (!in.self_case && !want_ref) return;
+  std::vector<int64_t> t_offsets, t_rows;
+  std::vector<T> t_weights;
+  transpose_csr(offsets, columns, weights, B, R, t_offsets, t_rows, t_weights);
+  at::Tensor target = in.self_case ? grad_x : grad_ref;
+  csr_times_dense(t_offsets.data(), t_rows.data(), t_weights.data(), R, g, static_cast<const T*>(nullptr),
+                  in.x.data_ptr<T>(), D, target.data_ptr<T>(), in.self_case);
 }
 
 // ---- the ops ------------------------------------------------------------------------------------
@@ -533,40 +540,31 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
       if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) scale_ptr[i] = 0;
     }
     if (saved.mode == SavedMode::kDense) {
-      if (in.self_case) {  // dx = H x, H = diag(g) G + G^T diag(g), built and multiplied in row blocks
-        const int64_t block = std::max(kTile, rows_per_chunk(B, in.x.element_size()) / 8 / kTile * kTile);
-        at::Tensor h = at::empty({std::min(block, B), B}, in.x.options());
-        for (int64_t i0 = 0; i0 < B; i0 += block) {
-          const int64_t rows = std::min(block, B - i0);
-          at::Tensor h_rows = h.narrow(0, 0, rows);
-          const int64_t nonzeros = symmetric_weight_rows(saved.dense.data_ptr<scalar_t>(), scale_ptr, B, i0, rows,
-                                                         h_rows.data_ptr<scalar_t>());
-          times_dense<scalar_t>(h_rows, in.x, grad_x.narrow(0, i0, rows), nonzeros);
-        }
-      } else {
-        times_dense<scalar_t>(saved.dense, in.ref, grad_x);
+      const scalar_t* G = saved.dense.data_ptr<scalar_t>();
+      std::vector<int64_t> counts(B);
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) counts[i] = row_nonzeros(G + i * R, R);
+      });
+      int64_t nonzeros = 0;
+      for (int64_t c : counts) nonzeros += c;
+      if (nonzeros * kSparseDensityInverse < B * R) {  // mining kept few pairs: gathers, nnz * D
+        std::vector<int64_t> offsets, columns;
+        std::vector<scalar_t> weights;
+        dense_to_csr(G, B, R, counts, offsets, columns, weights);
+        csr_backward(offsets.data(), columns.data(), weights.data(), B, R, scale_ptr, in, want_ref, grad_x, grad_ref);
+      } else {  // dx = diag(g) G r (+ G^T diag(g) x in the self case), dref = G^T diag(g) x: BLAS products
+        at::mm_out(grad_x, saved.dense, in.ref);
         grad_x.mul_(scale.unsqueeze(1));
-        if (want_ref) at::mm_out(grad_ref, saved.dense.t(), in.x * scale.unsqueeze(1));
+        const at::Tensor scaled_x = in.x * scale.unsqueeze(1);
+        if (in.self_case) grad_x.addmm_(saved.dense.t(), scaled_x);
+        else if (want_ref) at::mm_out(grad_ref, saved.dense.t(), scaled_x);
       }
       return;
     }
     if (saved.mode == SavedMode::kSparse) {
       using index_t = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
-      const index_t* offsets = saved.offsets.data_ptr<index_t>();
-      const index_t* columns = saved.columns.data_ptr<index_t>();
-      const scalar_t* weights = saved.weights.data_ptr<scalar_t>();
-      // dx_i = g_i sum_j G_ij r_j (+ sum_k g_k G_ki x_k in the self case); dref_j = sum_i g_i G_ij x_i
-      csr_times_dense(offsets, columns, weights, B, static_cast<const scalar_t*>(nullptr), scale_ptr,
-                      in.ref.data_ptr<scalar_t>(), D, grad_x.data_ptr<scalar_t>(), false);
-      if (in.self_case || want_ref) {
-        std::vector<int64_t> t_offsets, t_rows;
-        std::vector<scalar_t> t_weights;
-        transpose_csr(offsets, columns, weights, B, R, t_offsets, t_rows, t_weights);
-        at::Tensor target = in.self_case ? grad_x : grad_ref;
-        csr_times_dense(t_offsets.data(), t_rows.data(), t_weights.data(), R, scale_ptr,
-                        static_cast<const scalar_t*>(nullptr), in.x.data_ptr<scalar_t>(), D,
-                        target.data_ptr<scalar_t>(), in.self_case);
-      }
+      csr_backward(saved.offsets.data_ptr<index_t>(), saved.columns.data_ptr<index_t>(),
+                   saved.weights.data_ptr<scalar_t>(), B, R, scale_ptr, in, want_ref, grad_x, grad_ref);
       return;
     }
     const auto row = in.self_case ? (mining ? backward_row<scalar_t, true, true>

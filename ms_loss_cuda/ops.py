@@ -29,7 +29,8 @@ def _compute_dtype(x):
 def cpu_saved_rows(batch, ref_rows, elem_size):
     """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward
     (csrc/ms_loss_cpu.cpp, saved_layout): dense when B * R weights fit MS_LOSS_CPU_SAVED_MB (default
-    256), else a sparse payload of that size, else none (the backward recomputes the similarities)."""
+    256), else a sparse payload of that size when it holds at least 1 pair in 16, else none (the
+    backward recomputes the similarities)."""
     budget = int(float(os.environ.get("MS_LOSS_CPU_SAVED_MB", "256")) * (1 << 20)) // elem_size
     if batch == 0 or ref_rows == 0 or budget <= 0:
         return 0
@@ -38,7 +39,8 @@ def cpu_saved_rows(batch, ref_rows, elem_size):
     capacity = (budget - 1 - (batch + 1)) // 2
     if elem_size == 4:
         capacity = min(capacity, 2 ** 31 - 1)
-    return -(-(1 + batch + 1 + 2 * capacity) // batch) if capacity >= batch else 0
+    worth_it = capacity >= batch and capacity >= batch * ref_rows // 16  # room for 1 pair in 16 at least
+    return -(-(1 + batch + 1 + 2 * capacity) // batch) if worth_it else 0
 
 
 def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None):
