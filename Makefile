@@ -35,8 +35,12 @@ test: build
 demo: build
 	$(PY) bench/benchmark.py --sizes 1024 2048 4096 --out bench/results/demo
 
+# The CPU benchmark at every hardness level (README "CPU benchmark"), then the large sizes.
 bench: build
-	$(PY) bench/benchmark.py --sizes 1024 4096 8192 16384 65536 --out bench/results/cpu
+	for level in easy typical hard; do \
+	  $(PY) bench/benchmark.py --sizes 1024 4096 --hardness $$level --out bench/results/cpu/$$level || exit 1; done
+	$(PY) bench/benchmark.py --sizes 1024 4096 --no-mining --out bench/results/cpu/mining-off
+	$(PY) bench/benchmark.py --sizes 16384 65536 --providers floor cpu --repeats 1 --out bench/results/cpu/large
 
 # Trains the small convnet on rendered kanji (SOP's protocol: unseen classes at test) and prints
 # Recall@K before and after.

@@ -168,6 +168,7 @@ def test_path_points():
 
 
 def test_kanji_sets(tmp_path):
+    pytest.importorskip("kanjivg")
     files = kanji.characters()
     assert len(files) > 6000
     train, test = kanji.split(files)
