@@ -61,6 +61,23 @@ def test_reference_set_takes_at_most_5_gemms(dtype_name, ref_grad, limit):
     assert ("_grad_kernel[dref]" in cost["programs"]) == ref_grad
 
 
+def test_a_memory_bank_of_random_classes_costs_no_more():
+    """A batch of 256 random classes x 4 against a bank of 65536 rows of 16384 classes: each block's
+    positive list holds exactly its labels' columns (not every class between its first and last)."""
+    gen = torch.Generator().manual_seed(5)
+    labels = torch.randperm(16384, generator=gen)[:256].repeat_interleave(4)
+    ref_labels = torch.randint(0, 16384, (65536,), generator=gen)
+    x, ref = torch.zeros(1024, 512, dtype=torch.float16), torch.zeros(65536, 512, dtype=torch.float16)
+    hyper = (2.0, 50.0, 0.5, 0.1, True, False)
+    _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper,
+                                                    interpret=False, multiprocessors=H100)
+    ranges = forward[0].args["range_ptr"]
+    assert int((ranges[:, 1] - ranges[:, 0]).max()) <= 128 * 16  # a block's labels have about 4 columns each
+    *_, backward = triton_kernels.backward_plan(torch.ones(1024), stats, x, labels, None, ref, ref_labels, None,
+                                                *hyper, ref_grad=False, interpret=False, multiprocessors=H100)
+    assert triton_kernels.plan_cost(forward + backward, 1024, 65536, 512)["gemms"] <= 3.01
+
+
 def test_large_classes_cost_more_but_stay_bounded():
     """Two classes of 8192: every block's positive range is half the columns, so the positive passes
     cost about one GEMM-equivalent more, and never more than two."""

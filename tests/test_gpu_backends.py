@@ -184,8 +184,9 @@ def test_saves_the_cpu_kernels_statistics(target):
     args = (kwargs["labels"], kwargs["ids"], ref, kwargs["ref_labels"], kwargs["ref_ids"], 2.0, 50.0, 0.5, 0.1, True, False)
     on_device = [a.to(target.device) if isinstance(a, torch.Tensor) else a for a in args]
     _, stats = target.forward(x.to(target.device), *on_device)
-    _, cpu_stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, *args)
-    torch.testing.assert_close(stats.cpu(), cpu_stats, rtol=1e-5, atol=1e-6)
+    _, cpu_stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, *args)  # (then the pair weights it keeps)
+    assert stats.shape == (4, 97)
+    torch.testing.assert_close(stats.cpu(), cpu_stats[:4], rtol=1e-5, atol=1e-6)
 
 
 def test_float64_is_refused_with_a_clear_error(target):
@@ -334,3 +335,35 @@ def test_triton_float32_under_tf32(case):
                                 device=DEVICE, rtol=3e-3)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_reference_set_that_is_the_batch_tensor_itself(target):
+    """ref_embeddings=x (the same tensor) with other labels is a reference set, not the self case:
+    its positives are found among the columns of its own labels."""
+    x, labels = make_batch(97, 32, 12, dtype=torch.float32, seed=31)
+    x = F.normalize(x, dim=1).to(target.device)
+    ref_labels = torch.randint(0, 12, (97,), generator=torch.Generator().manual_seed(3)).to(target.device)
+    labels = labels.to(target.device)
+    got = multi_similarity_loss(x, labels, ref_embeddings=x, ref_labels=ref_labels, normalize=False,
+                                reduction="none", backend=target.backend)
+    want = multi_similarity_loss(x.double().cpu(), labels.cpu(), ref_embeddings=x.double().cpu(),
+                                 ref_labels=ref_labels.cpu(), normalize=False, reduction="none", backend="reference")
+    assert_close(got, want, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_steep_weights_and_zero_grad_outputs_stay_finite(target, case):
+    """beta = 300 makes exp(beta (maxneg - base)) overflow float32 for anchors whose sets are empty;
+    with some grad_outputs 0 the per-row lift must still be finite (it was NaN: 0 * inf)."""
+    kwargs = build_case(case, 61, 16, torch.float32, seed=33)
+    gen = torch.Generator().manual_seed(4)
+    zeros = (torch.rand(61, generator=gen) < 0.5).double()
+    grad_output = lambda loss: (zeros * torch.rand(61, generator=gen, dtype=torch.float64)).to(loss.device, loss.dtype)  # noqa: E731
+    options = dict(reduction="none", beta=300.0, base=0.2)
+    _, grads = loss_and_grads(to(kwargs, target.device), target.backend, grad_output, **options)
+    gen.manual_seed(4)
+    zeros = (torch.rand(61, generator=gen) < 0.5).double()
+    _, want = loss_and_grads(to(kwargs, "cpu", torch.float64), "reference", grad_output, **options)
+    for got, expected in zip(grads, want):
+        assert torch.isfinite(got).all()
+        assert_close(got, expected, 1e-4)

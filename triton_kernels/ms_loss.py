@@ -31,6 +31,7 @@ ahead of time only. Without a GPU: the same suite under TRITON_INTERPRET=1 on CP
 of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
+import math
 import os
 from typing import NamedTuple, Optional
 
@@ -147,10 +148,9 @@ def _ordered_rows(row_order_ptr, num_x, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _positive_columns(col_order_ptr, range_ptr, start, BLOCK_N: tl.constexpr):
-    """The next BLOCK_N columns, from `start` on, of the range of the label-sorted columns that holds
-    every positive of this program's anchors."""
-    end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
+def _positive_columns(col_order_ptr, start, end, BLOCK_N: tl.constexpr):
+    """The next BLOCK_N columns, from `start` on (before `end`), of the list that holds every positive
+    of this program's anchors (`positive_ranges`)."""
     slots = start + tl.arange(0, BLOCK_N)
     col_ok = slots < end
     return tl.load(col_order_ptr + slots, mask=col_ok, other=0), col_ok
@@ -173,9 +173,9 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.full((BLOCK_M,), INF, tl.float32)
-    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), tl.load(range_ptr + 2 * tl.program_id(0) + 1),
-                       BLOCK_N):
-        cols, col_ok = _positive_columns(col_order_ptr, range_ptr, start, BLOCK_N)
+    range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
+    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
+        cols, col_ok = _positive_columns(col_order_ptr, start, range_end, BLOCK_N)
         s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                     col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
@@ -240,9 +240,9 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
     shift_p, unused_shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
-    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), tl.load(range_ptr + 2 * tl.program_id(0) + 1),
-                       BLOCK_N):
-        cols, col_ok = _positive_columns(col_order_ptr, range_ptr, start, BLOCK_N)
+    range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
+    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
+        cols, col_ok = _positive_columns(col_order_ptr, start, range_end, BLOCK_N)
         s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                     col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if MINING:
@@ -448,16 +448,26 @@ def _multiprocessors(device, interpret):
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
 
 
-def row_scales(stats, scale, alpha, beta, base):
-    """[B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i can have, read
-    from its stats) times the factor lies in (1/2, 1]. A large reference set without mining has pair
-    weights of about 1/R, subnormal in float16 beyond R = 16k, and a small grad_output shrinks them
-    further: the factor lifts each row back into full precision. A row that also holds the weights
-    of column anchors (the self case, the reference set's gradient) is lifted at most
-    LIFT_WITH_COLUMN_ANCHORS, so that it stays far below float16's 65504."""
+def row_scales(stats, scale, alpha, beta, base, epsilon, mining, skip_incomplete_anchors):
+    """[B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i has, bounded from
+    its stats: exp(-alpha (minpos - base) - LP) for its mined positives, exp(beta (maxneg - base) - LN)
+    for its mined negatives) times the factor lies in (1/2, 1]. A large reference set without mining
+    has pair weights of about 1/R, subnormal in float16 beyond R = 16k, and a small grad_output
+    shrinks them further: the factor lifts each row back into full precision. Computed in the log
+    domain, each term only for a non-empty set: no overflow, no NaN; an anchor without weights (or
+    that does not count) gets the largest lift, 2^64. A row that also holds the weights of column
+    anchors (the self case, the reference set's gradient) is lifted at most LIFT_WITH_COLUMN_ANCHORS,
+    so that it stays far below float16's 65504."""
     minpos, maxneg, lp, ln = stats.float()
-    largest = torch.maximum(torch.exp(-alpha * (minpos - base) - lp), torch.exp(beta * (maxneg - base) - ln))
-    return torch.exp2(torch.floor(-torch.log2(scale.abs() * largest)).clamp(0, 64)).contiguous()
+    has_positive, has_negative = minpos < float("inf"), maxneg > float("-inf")
+    if mining:
+        has_positive, has_negative = has_positive & (minpos - epsilon < maxneg), has_negative & (maxneg + epsilon > minpos)
+    largest = torch.maximum(torch.where(has_positive, -alpha * (minpos - base) - lp, float("-inf")),
+                            torch.where(has_negative, beta * (maxneg - base) - ln, float("-inf")))
+    counts = has_positive & has_negative if skip_incomplete_anchors else torch.ones_like(has_positive)
+    log2_bound = torch.log2(torch.where(counts, scale.abs(), 0.0)) + largest / math.log(2.0)
+    exponent = torch.nan_to_num(torch.floor(-log2_bound), nan=64.0, posinf=64.0, neginf=0.0).clamp(0, 64)
+    return torch.exp2(exponent).contiguous()
 
 
 def column_splits(row_programs, num_cols, block_n, multiprocessors):
@@ -472,18 +482,36 @@ def column_splits(row_programs, num_cols, block_n, multiprocessors):
 
 
 def positive_ranges(row_keys, col_keys, block_m, self_case):
-    """(row order, column order, ranges [row blocks, 2] int32): anchors and columns sorted by label;
-    row block k (anchors row_order[k*block_m:(k+1)*block_m]) has all its positives among the columns
-    col_order[start:end], the columns whose label lies between the block's first and last label. In
-    P x M batches a block of 128 anchors spans about 128 such columns: the positives take a sliver of
-    a pass over all columns (large classes widen the range, never the result)."""
+    """(row order, positive columns, ranges [row blocks, 2] int32): the anchors sorted by label, and
+    for row block k (anchors row_order[k*block_m:(k+1)*block_m]) the slice ranges[k] of `positive
+    columns` that holds exactly the columns of the block's labels, so every positive of the block.
+    Self case: the columns sorted by label, each block's slice contiguous already (about 128 columns
+    for 128 anchors of a P x M batch). Reference set: the columns of each block's labels gathered
+    into a list (its length is read back to the host once: the op is opaque to torch.compile)."""
     row_sorted, row_order = torch.sort(row_keys, stable=True)
-    col_sorted, col_order = (row_sorted, row_order) if self_case else torch.sort(col_keys, stable=True)
-    firsts = row_sorted[::block_m].contiguous()
-    lasts = row_sorted[torch.clamp(torch.arange(block_m - 1, row_keys.shape[0] + block_m - 1, block_m,
-                                                device=row_keys.device), max=row_keys.shape[0] - 1)]
-    ranges = torch.stack([torch.searchsorted(col_sorted, firsts), torch.searchsorted(col_sorted, lasts, right=True)], 1)
-    return row_order.to(torch.int32), col_order.to(torch.int32), ranges.to(torch.int32).contiguous()
+    starts = torch.arange(0, row_keys.shape[0], block_m, device=row_keys.device)
+    if self_case:
+        lasts = torch.clamp(starts + block_m - 1, max=row_keys.shape[0] - 1)
+        ranges = torch.stack([torch.searchsorted(row_sorted, row_sorted[starts]),
+                              torch.searchsorted(row_sorted, row_sorted[lasts], right=True)], 1)
+        return row_order.to(torch.int32), row_order.to(torch.int32), ranges.to(torch.int32).contiguous()
+    col_sorted, col_order = torch.sort(col_keys, stable=True)
+    lo = torch.searchsorted(col_sorted, row_sorted)
+    hi = torch.searchsorted(col_sorted, row_sorted, right=True)
+    first = torch.ones_like(row_sorted, dtype=torch.bool)  # the first anchor of each label in its block
+    first[1:] = row_sorted[1:] != row_sorted[:-1]
+    first[starts] = True
+    lengths = torch.where(first, hi - lo, 0)
+    per_block = torch.zeros(starts.shape[0], dtype=torch.int64, device=row_keys.device)
+    per_block.index_add_(0, torch.arange(row_keys.shape[0], device=row_keys.device) // block_m, lengths)
+    ends = torch.cumsum(per_block, 0)
+    total = int(ends[-1]) if ends.numel() else 0
+    segment_starts = torch.cumsum(lengths, 0) - lengths  # where each anchor's segment lands in the list
+    owner = torch.repeat_interleave(torch.arange(lengths.shape[0], device=row_keys.device), lengths,
+                                    output_size=total)
+    columns = col_order[lo[owner] + torch.arange(total, device=row_keys.device) - segment_starts[owner]]
+    ranges = torch.stack([ends - per_block, ends], 1)
+    return row_order.to(torch.int32), columns.to(torch.int32), ranges.to(torch.int32).contiguous()
 
 
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
@@ -498,7 +526,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret))
     row_programs = triton.cdiv(num_x, config["BLOCK_M"])
-    row_order, col_order, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"], b is a)
+    row_order, col_order, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"], ref is None)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
                                            multiprocessors or _multiprocessors(x.device, interpret))
     minpos = torch.empty(num_x, dtype=torch.float32, device=x.device)
@@ -532,7 +560,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     scale = grad_loss.to(torch.float32).contiguous()
     norm = scale.abs().amax(dim=0, keepdim=True).clamp_min(1e-30) if num_x else scale.new_ones(1)
     scale = scale / norm
-    anchor_scale = row_scales(stats, scale, alpha, beta, base)
+    anchor_scale = row_scales(stats, scale, alpha, beta, base, epsilon, mining, skip_incomplete_anchors)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
@@ -592,7 +620,7 @@ def plan_cost(launches, num_x, num_ref, dim):
         columns, per_split = args.get("num_ref", args.get("num_b")), args["cols_per_split"]
         tiles = sum(triton.cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
         flops += per_tile * tiles * grid[0] * (grid[1] if "BLOCK_D" in c else 1)
-    return {"gemms": flops / (2 * num_x * num_ref * dim), "programs": programs}
+    return {"gemms": flops / max(2 * num_x * num_ref * dim, 1), "programs": programs}
 
 
 def _run(plan, device, *args):

@@ -514,16 +514,29 @@ void launch_backward(const at::Tensor& a, const at::Tensor& a_labels, const at::
       reinterpret_cast<T*>(out.data_ptr()));
 }
 
-// [B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i can have, read from
-// its stats) times the factor lies in (1/2, 1]. A large reference set without mining has pair weights
-// of about 1/R, subnormal in float16 beyond R = 16k, and a small grad_output shrinks them further:
-// the factor lifts each row back into full precision. A row that also holds the weights of column
-// anchors (each <= 1) is lifted at most kLiftWithColumnAnchors, far below float16's 65504.
+// [B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i has, bounded from its
+// stats for each non-empty mined set) times the factor lies in (1/2, 1]. A large reference set
+// without mining has pair weights of about 1/R, subnormal in float16 beyond R = 16k, and a small
+// grad_output shrinks them further: the factor lifts each row back into full precision. In the log
+// domain (no overflow, no NaN); an anchor without weights gets 2^64. A row that also holds the
+// weights of column anchors (each <= 1) is lifted at most kLiftWithColumnAnchors, far below 65504.
+// (The same rule as row_scales in triton_kernels/ms_loss.py.)
 constexpr double kLiftWithColumnAnchors = 16384.0;
 inline at::Tensor row_scales(const at::Tensor& stats, const at::Tensor& scale, const Params<float>& p) {
-  const at::Tensor largest = at::maximum(at::exp(-p.alpha * (stats[0] - p.base) - stats[2]),
-                                         at::exp(p.beta * (stats[1] - p.base) - stats[3]));
-  return at::exp2(at::floor(-at::log2(scale.abs() * largest)).clamp(0, 64)).contiguous();
+  const at::Tensor minpos = stats[0], maxneg = stats[1];
+  at::Tensor has_positive = minpos < std::numeric_limits<float>::infinity();
+  at::Tensor has_negative = maxneg > -std::numeric_limits<float>::infinity();
+  if (p.mining) {
+    const at::Tensor mined_p = has_positive & (minpos - p.epsilon < maxneg);
+    has_negative = has_negative & (maxneg + p.epsilon > minpos);
+    has_positive = mined_p;
+  }
+  const double none = -std::numeric_limits<double>::infinity();
+  const at::Tensor largest = at::maximum(at::where(has_positive, -p.alpha * (minpos - p.base) - stats[2], none),
+                                         at::where(has_negative, p.beta * (maxneg - p.base) - stats[3], none));
+  const at::Tensor counts = p.skip_incomplete_anchors ? has_positive & has_negative : at::ones_like(has_positive);
+  const at::Tensor log2_bound = at::log2(at::where(counts, scale.abs(), 0.0)) + largest / std::log(2.0);
+  return at::exp2(at::nan_to_num(at::floor(-log2_bound), 64.0, 64.0, 0.0).clamp(0, 64)).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> backward(
