@@ -175,7 +175,7 @@ def test_kanji_sets(tmp_path):
     assert not set(train) & set(test) and len(train) + len(test) == len(files)
     sets = kanji.load(str(tmp_path), train_per_class=3, test_per_class=2, size=24, classes=20)
     (x, y), (tx, ty) = sets["train"], sets["test"]
-    assert x.shape == (30, 24, 24) and x.dtype == np.uint8 and ty.shape == (20,)
+    assert x.shape == (30, 24, 24) and x.dtype == np.uint8 and tx.shape == (20, 24, 24) and ty.shape == (20,)
     assert y.tolist() == np.repeat(np.arange(10), 3).tolist()
     assert (x.reshape(30, -1).max(axis=1) > 100).all()  # every drawing has strokes
     assert not np.array_equal(x[0], x[1])  # instances of a class differ
