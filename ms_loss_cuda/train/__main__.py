@@ -276,6 +276,8 @@ def main(argv=None):
             return memory(embeddings, labels, ids)
         return ms_loss_cuda.multi_similarity_loss(embeddings, labels, ids=ids, **loss_options)
 
+    progress = None  # the tqdm bar, rank 0
+
     def checkpoint():  # written whole, then renamed: an interrupted save never leaves a broken file
         state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
                      scaler=scaler.state_dict(), memory=None if memory is None else memory.state_dict(), step=step,
@@ -293,7 +295,7 @@ def main(argv=None):
             history.append(row)
             write_metrics(history, args.out)
             shown = ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items() if k.startswith("recall@"))
-            print(f"step {step}: {shown}", flush=True)
+            (print if progress is None else progress.write)(f"step {step}: {shown}")
             checkpoint()
         if world > 1:
             dist.barrier()
@@ -302,7 +304,6 @@ def main(argv=None):
         record(0.0, 0.0, 0, 0.0)
     sampler = data.ClassBalancedBatches(train.labels, args.batch_size, args.per_class, args.steps, rank=rank,
                                         world_size=world, seed=args.seed, start=step)
-    progress = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
