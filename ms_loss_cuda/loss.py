@@ -221,9 +221,9 @@ def multi_similarity_loss(
     (epsilon); `normalize` L2-normalises rows first (cosine similarity). `reduction` is "mean"
     (over all B anchors), "sum" or "none" ([B]). `skip_incomplete_anchors=True` zeroes anchors
     whose mined positive or negative set is empty, as the authors' code does.
-    The loss comes back in the embeddings' dtype, as torch's losses do: every similarity, exponent
-    and sum is float32 (float64 for float64 inputs) and only the result is cast (a float16 "sum"
-    above 65504 is inf, its gradient still finite and exact).
+    The loss comes back in the embeddings' dtype, as torch's losses do (float32 under autocast, as
+    theirs): every similarity, exponent and sum is float32 (float64 for float64 inputs) and only the
+    result is cast (a float16 "sum" above 65504 is inf, its gradient still finite and exact).
     `backend`: "auto" (or $MS_LOSS_BACKEND), "reference", "cpu", "triton" or "cuda".
     """
     return _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, None,
@@ -247,7 +247,15 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     else:
         losses = _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options)
     loss = reference.reduce_losses(losses, reduction)  # float32 (float64) sums, then the embeddings' dtype
-    return _nan_if_nonfinite(loss, embeddings, ref_embeddings).to(embeddings.dtype)
+    return _nan_if_nonfinite(loss, embeddings, ref_embeddings).to(_loss_dtype(embeddings))
+
+
+def _loss_dtype(embeddings):
+    """The embeddings' dtype, as torch's losses return; under autocast float32, as torch's losses run
+    there (so a GradScaler's factor of 2^16 never meets a float16 loss)."""
+    if embeddings.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(embeddings.device.type):
+        return torch.float32
+    return embeddings.dtype
 
 
 class MultiSimilarityLoss(torch.nn.Module):

@@ -204,3 +204,11 @@ def test_float16_sum_overflows_to_inf_with_an_exact_gradient():
     loss32.backward()
     assert torch.isfinite(x16.grad).all()
     torch.testing.assert_close(x16.grad.float(), x32.grad, rtol=2e-3, atol=2e-3 * x32.grad.abs().max().item())
+
+
+def test_under_autocast_the_loss_is_float32_as_torchs_losses():
+    x, labels = make_batch(37, 8, 5, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = multi_similarity_loss(x, labels, backend="reference")
+    assert loss.dtype == torch.float32
+    assert multi_similarity_loss(x, labels, backend="reference").dtype == torch.bfloat16

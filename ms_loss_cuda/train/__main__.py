@@ -319,8 +319,9 @@ def main(argv=None):
             with autocast(args, device):
                 return wrapped(chunk)
 
-        def scaled_loss(embeddings):
-            return scaler.scale(loss_of(embeddings, labels, ids))
+        def scaled_loss(embeddings):  # under autocast: a float32 loss for the scaler, as torch's losses
+            with autocast(args, device):
+                return scaler.scale(loss_of(embeddings, labels, ids))
 
         if args.chunk_size:
             loss, embeddings = gradient_cache.cached_step(encode, inputs, scaled_loss, args.chunk_size,
