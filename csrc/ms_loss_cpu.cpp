@@ -329,6 +329,29 @@ void symmetric_similarity(const at::Tensor& x, at::Tensor s) {
   });
 }
 
+// h [B, B] = diag(g) G + G^T diag(g) (symmetric), tile by tile: each tile of G^T goes through a small
+// buffer, so that the sum runs along contiguous rows. Pays where G is small enough to stay in cache
+// (kSymmetricBuildBytes); beyond that its transposed reads cost about as much as a second product.
+constexpr int64_t kTile = 64, kSymmetricBuildBytes = int64_t(16) << 20;
+
+template <typename T>
+MS_CPU_CLONES void symmetric_weight_rows(const T* G, const T* g, int64_t B, int64_t r0, int64_t rows, T* h) {
+  alignas(64) T buffer[kTile * kTile];
+  for (int64_t j0 = 0; j0 < B; j0 += kTile) {
+    const int64_t cols = std::min(kTile, B - j0);
+    for (int64_t c = 0; c < cols; ++c)  // buffer[r][c] = g[j0 + c] * G[j0 + c][r0 + r]
+      for (int64_t r = 0; r < rows; ++r) buffer[r * kTile + c] = G[(j0 + c) * B + r0 + r] * g[j0 + c];
+    for (int64_t r = 0; r < rows; ++r) {
+      const T gi = g[r0 + r];
+      const T* row = G + (r0 + r) * B + j0;
+      const T* mirrored = buffer + r * kTile;
+      T* out = h + (r0 + r) * B + j0;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) out[c] = gi * row[c] + mirrored[c];
+    }
+  }
+}
+
 // The non-zeros of each row of a dense [rows, cols] matrix (rows in parallel).
 template <typename T>
 MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
@@ -552,6 +575,13 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
         std::vector<scalar_t> weights;
         dense_to_csr(G, B, R, counts, offsets, columns, weights);
         csr_backward(offsets.data(), columns.data(), weights.data(), B, R, scale_ptr, in, want_ref, grad_x, grad_ref);
+      } else if (in.self_case && B * B * int64_t(sizeof(scalar_t)) <= kSymmetricBuildBytes) {  // dx = H x
+        at::Tensor h = at::empty({B, B}, in.x.options());
+        at::parallel_for(0, (B + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t)
+            symmetric_weight_rows(G, scale_ptr, B, t * kTile, std::min(kTile, B - t * kTile), h.data_ptr<scalar_t>());
+        });
+        at::mm_out(grad_x, h, in.x);
       } else {  // dx = diag(g) G r (+ G^T diag(g) x in the self case), dref = G^T diag(g) x: BLAS products
         at::mm_out(grad_x, saved.dense, in.ref);
         grad_x.mul_(scale.unsqueeze(1));

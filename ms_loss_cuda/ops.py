@@ -68,9 +68,15 @@ def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None)
         x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters = inputs
         ctx.save_for_backward(x, labels, ids, ref, ref_labels, ref_ids, output[1])
         ctx.hyper_parameters = hyper_parameters
+        # stats takes no gradient; never materialise one (a zero-filled copy of the CPU op's saved
+        # pair weights, as large as S, on every backward)
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_loss, grad_stats):
         x, labels, ids, ref, ref_labels, ref_ids, stats = ctx.saved_tensors
+        if grad_loss is None:  # (the losses were not used)
+            grad_loss = stats.new_zeros(x.shape[0])
         ref_grad = ref is not None and ctx.needs_input_grad[3]
         grad_x, grad_ref = backward_op(
             grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
