@@ -134,3 +134,26 @@ def test_the_library_never_imports_the_application():
     code = ("import sys, ms_loss_cuda, ms_loss_cuda.distributed, ms_loss_cuda.evaluation, ms_loss_cuda.gradient_cache; "
             "print(sorted(m for m in sys.modules if m.startswith('ms_loss_cuda.train')))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("layout", ["folders", "sop"])
+def test_image_data_end_to_end(tmp_path, layout):
+    """Images on disk through the readers, the authors' transforms and a DataLoader with a worker."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    lines = {"train": [], "test": []}
+    for split, classes in (("train", range(6)), ("test", range(6, 10))):
+        for c in classes:
+            folder = tmp_path / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for k in range(3):
+                pixels = (rng.random((20, 24, 3)) * 60 + c * 20).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{k}.png")
+                lines[split].append(f"{len(lines[split]) + 1} {c + 1} 1 {split}/class{c}/{k}.png")
+    for split in ("train", "test"):
+        (tmp_path / f"Ebay_{split}.txt").write_text("image_id class_id super_class_id path\n" + "\n".join(lines[split]))
+    history = main(["--data", layout, "--root", str(tmp_path), "--image-size", "16", "--width", "4", "--dim", "8",
+                    "--batch-size", "8", "--per-class", "2", "--steps", "2", "--ks", "1", "--workers", "1",
+                    "--eval-batch", "5", "--out", str(tmp_path / "run"), "--no-progress", "--backend", BACKEND])
+    assert [row["step"] for row in history] == [0, 2] and 0 <= history[-1]["recall@1"] <= 1
