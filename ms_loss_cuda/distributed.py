@@ -49,13 +49,13 @@ def gather(embeddings, labels, ids=None):
     """(embeddings, labels, ids of the global batch, this rank's ids): the embeddings keep their
     gradient; the default identity of a sample is its position in the global batch (rank order)."""
     _require_process_group()
-    size = torch.tensor([embeddings.shape[0]], device=labels.device)
+    size = torch.tensor([embeddings.shape[0]], device=embeddings.device)  # (NCCL: CUDA tensors only)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
     sizes = [int(s) for s in sizes]
     if ids is None:
         offset = sum(sizes[:dist.get_rank()])
-        ids = torch.arange(offset, offset + embeddings.shape[0], device=labels.device)
+        ids = torch.arange(offset, offset + embeddings.shape[0], device=embeddings.device)
     return _gather(embeddings, sizes), _gather(labels, sizes), _gather(ids, sizes), ids
 
 

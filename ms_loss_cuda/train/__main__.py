@@ -9,6 +9,7 @@ steps and writes OUT/metrics.json, OUT/metrics.csv, OUT/recall.png and OUT/check
 """
 import argparse
 import contextlib
+import datetime
 import csv
 import json
 import math
@@ -102,10 +103,13 @@ def init_processes(args):
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if world > 1 and device.index is not None:
+            raise SystemExit("under torchrun every process takes its LOCAL_RANK's GPU: pass --device cuda, no index")
         device = torch.device("cuda", local if device.index is None else device.index)
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # the other ranks wait at a barrier while rank 0 evaluates: allow long evaluations
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     return (dist.get_rank(), world, device) if world > 1 else (0, 1, device)
 
 
@@ -146,15 +150,17 @@ def load_data(args):
     return [data.ImageDataset(paths, labels, args.image_size, train=split == 0) for split, (paths, labels) in enumerate(splits)]
 
 
-def batches(dataset, sampler, workers):
-    """(inputs, labels, ids) per batch of the sampler; ids are the dataset indices (stable across steps)."""
+def batches(dataset, sampler, workers, seed=0):
+    """(inputs, labels, ids) per batch of the sampler; ids are the dataset indices (stable across steps).
+    `seed` seeds the augmentations (give every process and every resumed start its own)."""
     if isinstance(dataset, TensorData):
         for indices in sampler:
             indices = torch.tensor(indices)
             yield (*dataset.batch(indices), indices)
         return
     yield from torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                           persistent_workers=workers > 0)
+                                           persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
+                                           generator=torch.Generator().manual_seed(seed))
 
 
 def build_model(args, train):
@@ -256,12 +262,16 @@ def main(argv=None):
 
     checkpoint_path = os.path.join(args.out, "checkpoint.pt")
     step, history = 0, []
-    if args.resume and os.path.exists(checkpoint_path):
+    resume = [args.resume and os.path.exists(checkpoint_path)]
+    if world > 1:  # rank 0 decides: every rank must take the same path through the collectives
+        dist.broadcast_object_list(resume, src=0)
+    if resume[0]:
         state = torch.load(checkpoint_path, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # (empty when the checkpoint was written without --amp fp16)
+            scaler.load_state_dict(state["scaler"])
         if memory is not None:
             memory.load_state_dict(state["memory"])
         step, history = state["step"], state["history"]
@@ -310,7 +320,7 @@ def main(argv=None):
         progress = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True)
     loss_sum = mined_sum = 0.0
     steps_since, started, seconds = 0, time.perf_counter(), history[-1]["train_seconds"] if history else 0.0
-    for inputs, labels, ids in batches(train, sampler, args.workers):
+    for inputs, labels, ids in batches(train, sampler, args.workers, seed=(args.seed * 1000 + rank) * 1000003 + step):
         tick = time.perf_counter()
         inputs, labels, ids = inputs.to(device, non_blocking=True), labels.to(device), ids.to(device)
         optimizer.zero_grad(set_to_none=True)
@@ -330,11 +340,12 @@ def main(argv=None):
             embeddings = encode(inputs)
             loss = scaled_loss(embeddings)
             loss.backward()
+        loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0  # (update() may change it)
         scaler.step(optimizer)
         scaler.update()
         schedule.step()
         step += 1
-        loss_sum += loss.item() / (scaler.get_scale() if scaler.is_enabled() else 1.0)
+        loss_sum += loss.item() / loss_scale
         mined_sum += reference.mined_fraction(embeddings.detach(), labels, ids=ids, epsilon=args.epsilon)
         steps_since += 1
         seconds += time.perf_counter() - tick
@@ -357,6 +368,7 @@ def main(argv=None):
         for key in (k for k in final if k.startswith("recall@")):
             print(f"  {key:>12}: {100 * first[key]:6.2f} -> {100 * final[key]:6.2f}")
     if world > 1:
+        del wrapped  # (DistributedDataParallel goes before its process group)
         dist.destroy_process_group()
     return history
 
