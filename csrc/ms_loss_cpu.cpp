@@ -22,9 +22,6 @@
 #include <torch/library.h>
 
 #include <cstdlib>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -171,34 +168,19 @@ MS_CPU_CLONES void sparse_row_times_dense(const T* h, int64_t cols, const T* den
   }
 }
 
-// out = h @ dense, h [rows, cols] (row-major, maybe a strided view of rows): the sparse loop when
-// h has few non-zeros, else a GEMM.
+// out = h @ dense, h [rows, cols] contiguous: the sparse loop when h has few non-zeros, else a GEMM.
 template <typename T>
-void times_dense(const at::Tensor& h, const at::Tensor& dense, at::Tensor out, int64_t nonzeros = -1) {
-  if (nonzeros < 0) nonzeros = at::count_nonzero(h).item<int64_t>();
-  if (nonzeros * kSparseDensityInverse < h.numel()) {
-    const int64_t cols = h.size(1), dim = dense.size(1), ld = h.stride(0);
+void times_dense(const at::Tensor& h, const at::Tensor& dense, at::Tensor out) {
+  if (at::count_nonzero(h).item<int64_t>() * kSparseDensityInverse < h.numel()) {
+    const int64_t cols = h.size(1), dim = dense.size(1);
     const T* h_ptr = h.data_ptr<T>();
     at::parallel_for(0, h.size(0), 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        sparse_row_times_dense(h_ptr + r * ld, cols, dense.data_ptr<T>(), dim, out.data_ptr<T>() + r * dim);
+        sparse_row_times_dense(h_ptr + r * cols, cols, dense.data_ptr<T>(), dim, out.data_ptr<T>() + r * dim);
     });
   } else {
     at::mm_out(out, h, dense);
   }
-}
-
-// A buffer of many MiB, backed by transparent huge pages where the kernel offers them on request
-// (madvise mode): first touching 64 MiB in 4 KiB pages costs about 13 ms of page faults here.
-at::Tensor large_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(shape, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t begin = (start + kHuge - 1) & ~(kHuge - 1), end = (start + t.nbytes()) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
-#endif
-  return t;
 }
 
 struct Inputs {
@@ -241,7 +223,7 @@ template <typename Body>
 void for_each_chunk(const Inputs& in, Body body) {
   const int64_t B = in.x.size(0), R = in.ref.size(0);
   const int64_t chunk = std::min(B, rows_per_chunk(R, in.x.element_size()));
-  at::Tensor buffer = large_empty({chunk, R}, in.x.options());
+  at::Tensor buffer = at::empty({chunk, R}, in.x.options());
   for (int64_t i0 = 0; i0 < B; i0 += chunk) {
     const int64_t rows = std::min(chunk, B - i0);
     at::Tensor s = buffer.narrow(0, 0, rows);
@@ -257,9 +239,9 @@ void for_each_chunk(const Inputs& in, Body body) {
 enum class SavedMode : int64_t { kRecompute = 0, kDense = 1, kSparse = 2, kOverflow = 3 };
 constexpr int64_t kBlock = 256;  // the tile edge of the symmetric products and transposes
 
-struct SavedLayout {
+struct SavedLayout {  // (a sparse payload's capacity follows from its size: sparse_capacity)
   SavedMode mode;
-  int64_t capacity, extra_rows;
+  int64_t extra_rows;
 };
 
 // Entries of a sparse payload of `numel` elements: offsets [B + 1], then columns and weights.
@@ -274,14 +256,14 @@ int64_t saved_budget_bytes() {
   return mb > 0 ? int64_t(mb * double(1 << 20)) : 0;
 }
 
-// Must match ms_loss_cuda/ops.py's cpu_stats_rows (the fake kernel's shape).
+// Must match ms_loss_cuda/ops.py's cpu_saved_rows (the fake kernel's shape).
 SavedLayout saved_layout(int64_t B, int64_t R, int64_t elem_size) {
   const int64_t budget = saved_budget_bytes() / elem_size;  // elements
-  if (B == 0 || R == 0 || budget <= 0) return {SavedMode::kRecompute, 0, 0};
-  if (B <= (budget - 1) / R) return {SavedMode::kDense, 0, (1 + B * R + B - 1) / B};
+  if (B == 0 || R == 0 || budget <= 0) return {SavedMode::kRecompute, 0};
+  if (B <= (budget - 1) / R) return {SavedMode::kDense, (1 + B * R + B - 1) / B};
   const int64_t capacity = sparse_capacity(budget, B, elem_size);
-  if (capacity < B || capacity < B * R / kSparseDensityInverse) return {SavedMode::kRecompute, 0, 0};
-  return {SavedMode::kSparse, capacity, (1 + B + 1 + 2 * capacity + B - 1) / B};
+  if (capacity < B || capacity < B * R / kSparseDensityInverse) return {SavedMode::kRecompute, 0};
+  return {SavedMode::kSparse, (1 + B + 1 + 2 * capacity + B - 1) / B};
 }
 
 at::ScalarType index_dtype(const at::Tensor& t) { return t.element_size() == 4 ? at::kInt : at::kLong; }
@@ -449,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
   const int64_t B = in.x.size(0), R = in.ref.size(0);
   const SavedLayout layout = saved_layout(B, R, in.x.element_size());
   at::Tensor loss = at::empty({B}, in.x.options());
-  at::Tensor stats = large_empty({4 + layout.extra_rows, B}, in.x.options());
+  at::Tensor stats = at::empty({4 + layout.extra_rows, B}, in.x.options());
   if (B == 0) return {loss, stats};
   AT_DISPATCH_FLOATING_TYPES(in.x.scalar_type(), "ms_loss_forward_cpu", [&] {
     const auto p = make_params<scalar_t>(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);

@@ -75,7 +75,7 @@ def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None)
 
     def backward(ctx, grad_loss, grad_stats):
         x, labels, ids, ref, ref_labels, ref_ids, stats = ctx.saved_tensors
-        if grad_loss is None:  # (the losses were not used)
+        if grad_loss is None:  # an undefined gradient (autograd may pass one; gradcheck does)
             grad_loss = stats.new_zeros(x.shape[0])
         ref_grad = ref is not None and ctx.needs_input_grad[3]
         grad_x, grad_ref = backward_op(
