@@ -21,10 +21,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ms_inputs.h"
 #include "ms_math.h"
@@ -70,8 +77,10 @@ constexpr int64_t kLanes = 16;
 template <typename Step>
 MS_INLINE inline void for_each_lane(int64_t n, Step&& step) {
   const int64_t full = n - n % kLanes;
-  for (int64_t j = 0; j < full; j += kLanes)
+  for (int64_t j = 0; j < full; j += kLanes) {
+#pragma omp simd  // the lanes are independent: step(j, lane) touches element j and lane `lane` only
     for (int64_t lane = 0; lane < kLanes; ++lane) step(j + lane, lane);
+  }
   for (int64_t j = full; j < n; ++j) step(j, j - full);
 }
 
@@ -80,6 +89,19 @@ MS_INLINE inline T combine_lanes(const T* lanes, Combine combine) {
   T total = lanes[0];
   for (int64_t lane = 1; lane < kLanes; ++lane) total = combine(total, lanes[lane]);
   return total;
+}
+
+// exp(exponent - shift) of the pair (S_ij = v) for an anchor with these statistics and shifts when
+// the pair is in its mined set (P_i for a positive, N_i for a negative), else 0.
+template <typename T>
+MS_INLINE inline T mined_exp(T v, T positive, T kept, T minpos, T maxneg, T shift_p, T shift_n,
+                             const Params<T>& p) {
+  // both arms are computed before the selection: branch-free, the loops around it vectorise
+  const T a_p = ms_loss::positive_exponent(v, p) - shift_p, a_n = ms_loss::negative_exponent(v, p) - shift_n;
+  const T in_p = ms_loss::mined_positive(v, maxneg, p) ? kept : T(0);
+  const T in_n = ms_loss::mined_negative(v, minpos, p) ? kept : T(0);
+  const T e = ms_loss::ms_exp(positive != T(0) ? a_p : a_n);
+  return (positive != T(0) ? in_p : in_n) != T(0) ? e : T(0);
 }
 
 // Forward for one anchor row s[0..R): mining, then both log(1 + sum exp) terms. With kStore the row
@@ -107,14 +129,10 @@ MS_CPU_CLONES void forward_row(T* s, int64_t label, int64_t id, RefKeys ref, Par
   for (int64_t lane = 0; lane < kLanes; ++lane) lane_a[lane] = 0, lane_b[lane] = 0;
   for_each_lane(ref.size, [&](int64_t j, int64_t lane) MS_INLINE {
     const T positive = ref.labels[j] == label ? T(1) : T(0), kept = ref.ids[j] != id ? T(1) : T(0);
-    const T v = s[j];
-    const T e = ms_loss::ms_exp(positive != T(0) ? ms_loss::positive_exponent(v, p) - shift_p
-                                                 : ms_loss::negative_exponent(v, p) - shift_n);
-    const T mined_p = ms_loss::mined_positive(v, maxneg, p) ? positive * kept : T(0);
-    const T mined_n = ms_loss::mined_negative(v, minpos, p) ? (T(1) - positive) * kept : T(0);
-    lane_a[lane] += mined_p != T(0) ? e : T(0);
-    lane_b[lane] += mined_n != T(0) ? e : T(0);
-    if constexpr (kStore) s[j] = mined_p != T(0) ? -e : (mined_n != T(0) ? e : T(0));
+    const T e = mined_exp(s[j], positive, kept, minpos, maxneg, shift_p, shift_n, p);
+    lane_a[lane] += positive != T(0) ? e : T(0);
+    lane_b[lane] += positive != T(0) ? T(0) : e;
+    if constexpr (kStore) s[j] = positive != T(0) ? -e : e;
   });
   const auto add = [](T a, T b) { return a + b; };
   const T lp = ms_loss::log1p_sum_exp(shift_p, combine_lanes(lane_a, add));
@@ -131,12 +149,60 @@ MS_CPU_CLONES void forward_row(T* s, int64_t label, int64_t id, RefKeys ref, Par
   *loss = ms_loss::anchor_loss(lp, ln, minpos, maxneg, p);
 }
 
+// The two reduction passes of the symmetric forward (see symmetric_forward) over one row of the
+// strictly upper triangle: s[j] = S_i,c for the columns c = i + 1 + j, j < n; labels, ids and the
+// column arrays start at column i + 1. Each pair updates anchor i along the row (kLanes partial
+// results) and anchor c down its column (elementwise, in this strip's column partials).
+template <typename T>
+MS_CPU_CLONES void extremes_row(const T* s, int64_t n, int64_t label, int64_t id, const int64_t* labels,
+                                const int64_t* ids, T* minpos, T* maxneg, T* col_minpos, T* col_maxneg) {
+  const T inf = ms_loss::infinity<T>();
+  T lane_a[kLanes], lane_b[kLanes];
+  for (int64_t lane = 0; lane < kLanes; ++lane) lane_a[lane] = inf, lane_b[lane] = -inf;
+  for_each_lane(n, [&](int64_t j, int64_t lane) MS_INLINE {
+    const T positive = labels[j] == label ? T(1) : T(0), kept = ids[j] != id ? T(1) : T(0);
+    const T v = s[j];
+    lane_a[lane] = positive * kept != T(0) && v < lane_a[lane] ? v : lane_a[lane];
+    lane_b[lane] = (T(1) - positive) * kept != T(0) && v > lane_b[lane] ? v : lane_b[lane];
+    col_minpos[j] = positive * kept != T(0) && v < col_minpos[j] ? v : col_minpos[j];
+    col_maxneg[j] = (T(1) - positive) * kept != T(0) && v > col_maxneg[j] ? v : col_maxneg[j];
+  });
+  *minpos = combine_lanes(lane_a, [](T a, T b) { return std::min(a, b); });
+  *maxneg = combine_lanes(lane_b, [](T a, T b) { return std::max(a, b); });
+}
+
+// Mined sums of exp(exponent - shift): anchor i's into sums[0] (P) and sums[1] (N); each column
+// anchor's added to col_sum_p / col_sum_n. a: anchor i's minpos, maxneg, shift_p, shift_n; col: the
+// same four for the columns, arrays `stride` apart.
+template <typename T, bool kMining>
+MS_CPU_CLONES void mined_sums_row(const T* s, int64_t n, int64_t label, int64_t id, const int64_t* labels,
+                                  const int64_t* ids, const T* a, const T* col, int64_t stride, Params<T> p,
+                                  T* sums, T* col_sum_p, T* col_sum_n) {
+  p.mining = kMining;
+  T lane_a[kLanes], lane_b[kLanes];
+  for (int64_t lane = 0; lane < kLanes; ++lane) lane_a[lane] = 0, lane_b[lane] = 0;
+  for_each_lane(n, [&](int64_t j, int64_t lane) MS_INLINE {
+    const T positive = labels[j] == label ? T(1) : T(0), kept = ids[j] != id ? T(1) : T(0);
+    const T v = s[j];
+    const T e = mined_exp(v, positive, kept, a[0], a[1], a[2], a[3], p);
+    const T f = mined_exp(v, positive, kept, col[j], col[stride + j], col[2 * stride + j], col[3 * stride + j], p);
+    lane_a[lane] += positive != T(0) ? e : T(0);
+    lane_b[lane] += positive != T(0) ? T(0) : e;
+    col_sum_p[j] += positive != T(0) ? f : T(0);
+    col_sum_n[j] += positive != T(0) ? T(0) : f;
+  });
+  const auto add = [](T x, T y) { return x + y; };
+  sums[0] = combine_lanes(lane_a, add);
+  sums[1] = combine_lanes(lane_b, add);
+}
+
 // Backward for one anchor row, in place: s[j] = S_ij on entry, dL/dS_ij on exit, scaled by
 // scale_i = grad_i (0 for an anchor that does not count). With kSymmetric (self case), the pair
-// seen from anchor j is added too, S_ji = S_ij: the row becomes (G + G^T)_i.
+// seen from anchor j is added too, S_ji = S_ij: the row becomes (G + G^T)_i; stats and scale then
+// hold the column anchors' statistics ([4] rows `stride` apart) and scales.
 template <typename T, bool kMining, bool kSymmetric>
 MS_CPU_CLONES void backward_row(T* s, int64_t label, int64_t id, RefKeys ref, AnchorStats<T> a,
-                                T scale_i, const T* stats /* [4, R] */, const T* scale, Params<T> p) {
+                                T scale_i, const T* stats, int64_t stride, const T* scale, Params<T> p) {
   p.mining = kMining;
   const int64_t R = ref.size;
 #pragma omp simd
@@ -145,7 +211,7 @@ MS_CPU_CLONES void backward_row(T* s, int64_t label, int64_t id, RefKeys ref, An
     const T v = s[j];
     T h = scale_i * ms_loss::pair_weight(v, positive, kept, a, p);
     if constexpr (kSymmetric) {
-      const AnchorStats<T> b{stats[j], stats[R + j], stats[2 * R + j], stats[3 * R + j]};
+      const AnchorStats<T> b{stats[j], stats[stride + j], stats[2 * stride + j], stats[3 * stride + j]};
       h += scale[j] * ms_loss::pair_weight(v, positive, kept, b, p);
     }
     s[j] = h;
@@ -181,6 +247,27 @@ void times_dense(const at::Tensor& h, const at::Tensor& dense, at::Tensor out) {
   } else {
     at::mm_out(out, h, dense);
   }
+}
+
+// A buffer of many MiB, backed by transparent huge pages where the kernel gives them on request
+// (THP "madvise" mode): first touching 64 MiB in 4 KiB pages costs about 12 ms of page faults on
+// the benchmark machine, in 2 MiB pages about 3 ms. Advice only: elsewhere nothing changes.
+at::Tensor large_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(shape, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t begin = (start + kHuge - 1) & ~(kHuge - 1), end = (start + t.nbytes()) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+  // touched here, a page at a time by every thread: faulted inside a BLAS call instead, 2 MiB pages
+  // stall its threads (a 4096^2 product took 56 ms instead of 29)
+  char* bytes = static_cast<char*>(t.data_ptr());
+  const int64_t pages = int64_t(t.nbytes() + 4095) / 4096;
+  at::parallel_for(0, pages, 512, [&](int64_t begin_page, int64_t end_page) {
+    for (int64_t q = begin_page; q < end_page; ++q) bytes[q * 4096] = 0;
+  });
+  return t;
 }
 
 struct Inputs {
@@ -236,7 +323,8 @@ void for_each_chunk(const Inputs& in, Body body) {
 // stats = [4 + extra, B]: the statistics, then (flattened) a header element and the payload:
 // dense: G [B, R]; sparse: offsets [B + 1], columns [capacity], weights [capacity] (indices stored
 // as same-width integers). The header says which, and whether a sparse forward overflowed.
-enum class SavedMode : int64_t { kRecompute = 0, kDense = 1, kSparse = 2, kOverflow = 3 };
+// kSymmetric: the self case's K = G + G^T, strictly upper triangle, [B, B] (symmetric_forward).
+enum class SavedMode : int64_t { kRecompute = 0, kDense = 1, kSparse = 2, kOverflow = 3, kSymmetric = 4 };
 constexpr int64_t kBlock = 256;  // the tile edge of the symmetric products and transposes
 
 struct SavedLayout {  // (a sparse payload's capacity follows from its size: sparse_capacity)
@@ -279,7 +367,7 @@ Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
   if (stats.size(0) == 4 || B == 0) return saved;
   const at::Tensor flat = stats.view(-1).narrow(0, 4 * B, stats.numel() - 4 * B);
   saved.mode = SavedMode(int64_t(flat[0].item<double>()));
-  if (saved.mode == SavedMode::kDense) {
+  if (saved.mode == SavedMode::kDense || saved.mode == SavedMode::kSymmetric) {
     saved.dense = flat.narrow(0, 1, B * R).view({B, R});
   } else if (saved.mode == SavedMode::kSparse) {
     const int64_t capacity = sparse_capacity(flat.numel(), B, flat.element_size());
@@ -290,47 +378,117 @@ Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
   return saved;
 }
 
-// s [B, B] = x x^T from the upper block triangle (half the products), mirrored.
-void symmetric_similarity(const at::Tensor& x, at::Tensor s) {
-  const int64_t B = x.size(0);
+// ---- the self case with its weights kept: K = G + G^T, once per pair -------------------------
+// S and K (with G's rows of non-counting anchors zeroed) are symmetric, so only the strictly upper
+// triangle of S is computed (strips of kBlock rows, each from its diagonal block on: half the
+// products) and reduced: each S_ij, i < j, once for both anchors, along the row for anchor i (a
+// horizontal reduction) and down the column for anchor j (elementwise, into per-strip column
+// partials that are combined in strip order: the same bits for any number of threads). Three
+// passes: extremes (minpos, maxneg), mined sums (LP, LN), then K_ij in place of S_ij; the rest of
+// the buffer is zero. With one grad_output g for every counting anchor (any reduction but "none")
+// the backward is dx = g K x, one product over the triangle; otherwise it recomputes.
 
-  for (int64_t i0 = 0; i0 < B; i0 += kBlock) {
-    const int64_t rows = std::min(kBlock, B - i0);
-    at::Tensor out = s.narrow(0, i0, rows).narrow(1, i0, B - i0);  // row-major with leading dimension B
-    at::mm_out(out, x.narrow(0, i0, rows), x.narrow(0, i0, B - i0).t());
-  }
-  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "symmetric_similarity", [&] {
-    scalar_t* p = s.data_ptr<scalar_t>();
-    const int64_t blocks = (B + kBlock - 1) / kBlock;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bi = begin; bi < end; ++bi)  // tile (bi, bj) of the lower triangle from tile (bj, bi)
-        for (int64_t bj = 0; bj <= bi; ++bj)
-          for (int64_t i = bi * kBlock; i < std::min(B, (bi + 1) * kBlock); ++i)
-            for (int64_t j = bj * kBlock; j < std::min(i, (bj + 1) * kBlock); ++j) p[i * B + j] = p[j * B + i];
-    });
+// Rows per strip of the reduction passes: at most 32 strips (their column partials stay small), a
+// number that depends on B alone (the combination order, hence the bits, does too).
+int64_t reduction_strip_rows(int64_t B) { return std::clamp<int64_t>((B + 31) / 32, 16, kBlock); }
+
+// body(t) for each strip t in [0, strips), in parallel; strips t and strips - 1 - t go together (the
+// triangle's rows shorten down the strips, a pair's work is about constant).
+template <typename Body>
+void for_each_strip_pair(int64_t strips, Body body) {
+  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      body(t);
+      if (strips - 1 - t != t) body(strips - 1 - t);
+    }
   });
 }
 
-// h [B, B] = diag(g) G + G^T diag(g) (symmetric), tile by tile: each tile of G^T goes through a small
-// buffer, so that the sum runs along contiguous rows. Pays where G is small enough to stay in cache
-// (kSymmetricBuildBytes); beyond that its transposed reads cost about as much as a second product.
-constexpr int64_t kTile = 64, kSymmetricBuildBytes = int64_t(16) << 20;
-
 template <typename T>
-MS_CPU_CLONES void symmetric_weight_rows(const T* G, const T* g, int64_t B, int64_t r0, int64_t rows, T* h) {
-  alignas(64) T buffer[kTile * kTile];
-  for (int64_t j0 = 0; j0 < B; j0 += kTile) {
-    const int64_t cols = std::min(kTile, B - j0);
-    for (int64_t c = 0; c < cols; ++c)  // buffer[r][c] = g[j0 + c] * G[j0 + c][r0 + r]
-      for (int64_t r = 0; r < rows; ++r) buffer[r * kTile + c] = G[(j0 + c) * B + r0 + r] * g[j0 + c];
-    for (int64_t r = 0; r < rows; ++r) {
-      const T gi = g[r0 + r];
-      const T* row = G + (r0 + r) * B + j0;
-      const T* mirrored = buffer + r * kTile;
-      T* out = h + (r0 + r) * B + j0;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) out[c] = gi * row[c] + mirrored[c];
+void symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* stats /* [4, B] */, T* loss) {
+  const int64_t B = in.x.size(0);
+  const at::Tensor s_matrix = at::from_blob(s, {B, B}, in.x.options());
+  for (int64_t i0 = 0; i0 < B; i0 += kBlock) {  // S[i0:i0+rows, i0:]
+    const int64_t rows = std::min(kBlock, B - i0);
+    at::Tensor out = s_matrix.narrow(0, i0, rows).narrow(1, i0, B - i0);
+    at::mm_out(out, in.x.narrow(0, i0, rows), in.x.narrow(0, i0, B - i0).t());
+  }
+  const int64_t* labels = in.labels.data_ptr<int64_t>();
+  const int64_t* ids = in.ids.data_ptr<int64_t>();
+  const int64_t height = reduction_strip_rows(B), strips = (B + height - 1) / height;
+  const auto row_of = [&](int64_t i) { return s + i * B + i + 1; };  // row i from column i + 1 on
+  std::vector<T> col_a(strips * B), col_b(strips * B);  // per-strip column partials
+  // for each anchor i, its own row's result then the strips' column results in order, by `combine`
+  const auto combine_strips = [&](T* row_result, const std::vector<T>& col, auto combine) {
+    for (int64_t i = 0; i < B; ++i)
+      for (int64_t t = 0; t <= i / height; ++t) row_result[i] = combine(row_result[i], col[t * B + i]);
+  };
+  T* minpos = stats;
+  T* maxneg = stats + B;
+  std::fill(col_a.begin(), col_a.end(), ms_loss::infinity<T>());
+  std::fill(col_b.begin(), col_b.end(), -ms_loss::infinity<T>());
+  for_each_strip_pair(strips, [&](int64_t t) {
+    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i)
+      extremes_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, minpos + i, maxneg + i,
+                   col_a.data() + t * B + i + 1, col_b.data() + t * B + i + 1);
+  });
+  combine_strips(minpos, col_a, [](T a, T b) { return std::min(a, b); });
+  combine_strips(maxneg, col_b, [](T a, T b) { return std::max(a, b); });
+
+  std::vector<T> shifted(4 * B);  // minpos, maxneg, shift_p, shift_n: rows B apart
+  for (int64_t i = 0; i < B; ++i) {
+    shifted[i] = minpos[i];
+    shifted[B + i] = maxneg[i];
+    shifted[2 * B + i] = ms_loss::positive_shift(minpos[i], maxneg[i], p);
+    shifted[3 * B + i] = ms_loss::negative_shift(minpos[i], maxneg[i], p);
+  }
+  std::vector<T> sums(2 * B);  // P, N of each anchor's own row, interleaved
+  std::fill(col_a.begin(), col_a.end(), T(0));
+  std::fill(col_b.begin(), col_b.end(), T(0));
+  const auto sums_row = p.mining ? mined_sums_row<T, true> : mined_sums_row<T, false>;
+  for_each_strip_pair(strips, [&](int64_t t) {
+    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
+      const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
+      sums_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a, shifted.data() + i + 1, B,
+               p, sums.data() + 2 * i, col_a.data() + t * B + i + 1, col_b.data() + t * B + i + 1);
     }
+  });
+  T* lp = stats + 2 * B;
+  T* ln = stats + 3 * B;
+  for (int64_t i = 0; i < B; ++i) lp[i] = sums[2 * i], ln[i] = sums[2 * i + 1];
+  const auto add = [](T a, T b) { return a + b; };
+  combine_strips(lp, col_a, add);
+  combine_strips(ln, col_b, add);
+  std::vector<T> counts(B);  // 1 for an anchor that counts, else 0 (its weights are dropped)
+  for (int64_t i = 0; i < B; ++i) {
+    lp[i] = ms_loss::log1p_sum_exp(shifted[2 * B + i], lp[i]);
+    ln[i] = ms_loss::log1p_sum_exp(shifted[3 * B + i], ln[i]);
+    loss[i] = ms_loss::anchor_loss(lp[i], ln[i], minpos[i], maxneg[i], p);
+    counts[i] = ms_loss::anchor_counts(minpos[i], maxneg[i], p) ? T(1) : T(0);
+  }
+
+  const RefKeys keys{labels, ids, B};
+  const auto weights_row = p.mining ? backward_row<T, true, true> : backward_row<T, false, true>;
+  for_each_strip_pair(strips, [&](int64_t t) {
+    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
+      std::fill(s + i * B, row_of(i), T(0));
+      const AnchorStats<T> a{minpos[i], maxneg[i], lp[i], ln[i]};
+      const RefKeys rest{keys.labels + i + 1, keys.ids + i + 1, B - i - 1};
+      weights_row(row_of(i), labels[i], ids[i], rest, a, counts[i], stats + i + 1, B, counts.data() + i + 1, p);
+    }
+  });
+}
+
+// dx = g K x from K's strictly upper triangle: per strip, K[I, i0:] x[i0:] into dx[I] and its
+// transpose K[I, i0:]^T x[I] into dx[i0:] (one product of work in all).
+void symmetric_times(const at::Tensor& K, double g, const at::Tensor& x, at::Tensor& out) {
+  const int64_t B = x.size(0);
+  out.zero_();
+  for (int64_t i0 = 0; i0 < B; i0 += kBlock) {
+    const int64_t rows = std::min(kBlock, B - i0);
+    const at::Tensor strip = K.narrow(0, i0, rows).narrow(1, i0, B - i0);
+    out.narrow(0, i0, rows).addmm_(strip, x.narrow(0, i0, B - i0), 1.0, g);
+    out.narrow(0, i0, B - i0).addmm_(strip.t(), x.narrow(0, i0, rows), 1.0, g);
   }
 }
 
@@ -343,10 +501,12 @@ MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
   return count;
 }
 
-// CSR of a dense matrix from its rows' non-zero counts: offsets [rows + 1], columns, values.
+// CSR of a dense matrix from its rows' non-zero counts: offsets [rows + 1], columns, values
+// (strictly_upper: only the columns after the diagonal are read).
 template <typename T>
 void dense_to_csr(const T* h, int64_t rows, int64_t cols, const std::vector<int64_t>& counts,
-                  std::vector<int64_t>& offsets, std::vector<int64_t>& columns, std::vector<T>& values) {
+                  std::vector<int64_t>& offsets, std::vector<int64_t>& columns, std::vector<T>& values,
+                  bool strictly_upper) {
   offsets.assign(rows + 1, 0);
   for (int64_t r = 0; r < rows; ++r) offsets[r + 1] = offsets[r] + counts[r];
   columns.resize(offsets[rows]);
@@ -354,7 +514,7 @@ void dense_to_csr(const T* h, int64_t rows, int64_t cols, const std::vector<int6
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int64_t at = offsets[r];
-      for (int64_t j = 0; j < cols; ++j)
+      for (int64_t j = strictly_upper ? r + 1 : 0; j < cols; ++j)
         if (h[r * cols + j] != T(0)) columns[at] = j, values[at++] = h[r * cols + j];
     }
   });
@@ -431,7 +591,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
   const int64_t B = in.x.size(0), R = in.ref.size(0);
   const SavedLayout layout = saved_layout(B, R, in.x.element_size());
   at::Tensor loss = at::empty({B}, in.x.options());
-  at::Tensor stats = at::empty({4 + layout.extra_rows, B}, in.x.options());
+  at::Tensor stats = large_empty({4 + layout.extra_rows, B}, in.x.options());
   if (B == 0) return {loss, stats};
   AT_DISPATCH_FLOATING_TYPES(in.x.scalar_type(), "ms_loss_forward_cpu", [&] {
     const auto p = make_params<scalar_t>(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
@@ -459,9 +619,13 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
       flat[0] = double(SavedMode::kDense);
       flat.narrow(0, 1 + B * R, flat.numel() - 1 - B * R).zero_();
       at::Tensor s = flat.narrow(0, 1, B * R).view({B, R});
-      if (in.self_case) symmetric_similarity(in.x, s);
-      else at::mm_out(s, in.x, in.ref.t());
-      reduce_rows(0, B, s.data_ptr<scalar_t>());
+      if (in.self_case) {
+        flat[0] = double(SavedMode::kSymmetric);
+        symmetric_forward(in, p, s.data_ptr<scalar_t>(), stats_ptr, loss_ptr);
+      } else {
+        at::mm_out(s, in.x, in.ref.t());
+        reduce_rows(0, B, s.data_ptr<scalar_t>());
+      }
       return;
     }
     // sparse: each chunk's weights compacted into the CSR; an overflow falls back to recomputing
@@ -544,7 +708,35 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
     for (int64_t i = 0; i < B; ++i) {
       if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) scale_ptr[i] = 0;
     }
-    if (saved.mode == SavedMode::kDense) {
+    if (saved.mode == SavedMode::kSymmetric) {
+      // K holds the counting anchors' weights unscaled: dx = g K x when they share one finite g
+      bool uniform = true, seen = false;
+      scalar_t g = 0;
+      for (int64_t i = 0; i < B; ++i) {
+        if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) continue;
+        if (!seen) g = scale_ptr[i], seen = true;
+        uniform = uniform && scale_ptr[i] == g && std::isfinite(g);
+      }
+      if (uniform) {
+        const scalar_t* K = saved.dense.data_ptr<scalar_t>();
+        std::vector<int64_t> counts(B);
+        at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) counts[i] = row_nonzeros(K + i * B + i + 1, B - i - 1);
+        });
+        int64_t nonzeros = 0;
+        for (int64_t c : counts) nonzeros += c;
+        if (2 * nonzeros * kSparseDensityInverse < B * B) {  // gathers over the triangle and its transpose
+          std::vector<int64_t> offsets, columns;
+          std::vector<scalar_t> weights, same_g(B, g);
+          dense_to_csr(K, B, B, counts, offsets, columns, weights, true);
+          csr_backward(offsets.data(), columns.data(), weights.data(), B, B, same_g.data(), in, false, grad_x, grad_ref);
+        } else {
+          symmetric_times(saved.dense, double(g), in.x, grad_x);
+        }
+        return;
+      }  // else the grad_outputs differ: recompute below
+    }
+    if (saved.mode == SavedMode::kDense) {  // (a reference set: the self case keeps K)
       const scalar_t* G = saved.dense.data_ptr<scalar_t>();
       std::vector<int64_t> counts(B);
       at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -555,21 +747,12 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
       if (nonzeros * kSparseDensityInverse < B * R) {  // mining kept few pairs: gathers, nnz * D
         std::vector<int64_t> offsets, columns;
         std::vector<scalar_t> weights;
-        dense_to_csr(G, B, R, counts, offsets, columns, weights);
+        dense_to_csr(G, B, R, counts, offsets, columns, weights, false);
         csr_backward(offsets.data(), columns.data(), weights.data(), B, R, scale_ptr, in, want_ref, grad_x, grad_ref);
-      } else if (in.self_case && B * B * int64_t(sizeof(scalar_t)) <= kSymmetricBuildBytes) {  // dx = H x
-        at::Tensor h = at::empty({B, B}, in.x.options());
-        at::parallel_for(0, (B + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t t = begin; t < end; ++t)
-            symmetric_weight_rows(G, scale_ptr, B, t * kTile, std::min(kTile, B - t * kTile), h.data_ptr<scalar_t>());
-        });
-        at::mm_out(grad_x, h, in.x);
-      } else {  // dx = diag(g) G r (+ G^T diag(g) x in the self case), dref = G^T diag(g) x: BLAS products
+      } else {  // dx = diag(g) G r, dref = G^T diag(g) x: BLAS products
         at::mm_out(grad_x, saved.dense, in.ref);
         grad_x.mul_(scale.unsqueeze(1));
-        const at::Tensor scaled_x = in.x * scale.unsqueeze(1);
-        if (in.self_case) grad_x.addmm_(saved.dense.t(), scaled_x);
-        else if (want_ref) at::mm_out(grad_ref, saved.dense.t(), scaled_x);
+        if (want_ref) at::mm_out(grad_ref, saved.dense.t(), in.x * scale.unsqueeze(1));
       }
       return;
     }
@@ -589,8 +772,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
         for (int64_t r = begin; r < end; ++r) {
           const int64_t i = i0 + r;
           const AnchorStats<scalar_t> a{st_ptr[i], st_ptr[B + i], st_ptr[2 * B + i], st_ptr[3 * B + i]};
-          row(s_ptr + r * keys.size, labels_ptr[i], ids_ptr[i], keys, a, scale_ptr[i], st_ptr,
-              scale_ptr, p);
+          row(s_ptr + r * keys.size, labels_ptr[i], ids_ptr[i], keys, a, scale_ptr[i], st_ptr, B, scale_ptr, p);
         }
       });
       // s now holds dL/dS for the chunk's rows (G_I, or (G + G^T)_I in the self case).

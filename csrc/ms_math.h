@@ -132,11 +132,12 @@ struct AnchorStats {
 // (0/1 values rather than bools, so the CPU loops around it stay branch-free and vectorise.)
 template <typename T>
 MS_HD T pair_weight(T s, T positive, T kept, const AnchorStats<T>& a, const Params<T>& p) {
-  const T mined = positive != T(0) ? (mined_positive(s, a.maxneg, p) ? kept : T(0))
-                                   : (mined_negative(s, a.minpos, p) ? kept : T(0));
-  const T w = positive != T(0) ? -ms_exp(positive_exponent(s, p) - a.lp)
-                               : ms_exp(negative_exponent(s, p) - a.ln);
-  return mined != T(0) ? w : T(0);
+  // both arms are computed before the selection: branch-free (the CPU loops vectorise), one exp
+  const T in_p = mined_positive(s, a.maxneg, p) ? kept : T(0);
+  const T in_n = mined_negative(s, a.minpos, p) ? kept : T(0);
+  const T arg_p = positive_exponent(s, p) - a.lp, arg_n = negative_exponent(s, p) - a.ln;
+  const T e = ms_exp(positive != T(0) ? arg_p : arg_n);
+  return (positive != T(0) ? in_p : in_n) != T(0) ? (positive != T(0) ? -e : e) : T(0);
 }
 
 }  // namespace ms_loss

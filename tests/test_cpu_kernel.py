@@ -20,14 +20,17 @@ def test_matches_reference(case, mining, reduction, dtype):
     assert ref_loss.abs().sum() > 0 and ref_grads[0].abs().sum() > 0  # the case is not trivial
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])  # the self case's backward differs (see below)
 @pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
-def test_options(case, skip, normalize):
+def test_options(case, skip, normalize, reduction):
     kwargs = build_case(case, 61, 7, torch.float32, seed=3)
+    kwargs["labels"] = kwargs["labels"].clone()
+    kwargs["labels"][:5] = 1000 + torch.arange(5)  # anchors without positives: with skip, they do not count
     if not normalize:
         kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1) * 0.9
-    check_against_reference("cpu", kwargs, torch.float32, "none", skip_incomplete_anchors=skip, normalize=normalize,
+    check_against_reference("cpu", kwargs, torch.float32, reduction, skip_incomplete_anchors=skip, normalize=normalize,
                             alpha=3.0, beta=20.0, base=0.4, epsilon=0.05)
 
 
@@ -41,13 +44,14 @@ def test_sizes(batch, dim, mining):
 @pytest.mark.parametrize("mining,mode", [(True, "dense"), (False, "dense"), (True, "sparse"), (True, "recompute")])
 def test_several_row_chunks(monkeypatch, mining, mode):
     # 4500 x 4500 float64 similarities do not fit one 64 MiB chunk: rows go in 3 chunks (sparse,
-    # recompute), and the dense backward builds its symmetric weights in blocks of 192 rows.
+    # recompute); the dense self case keeps K = G + G^T in 18 strips (a partial last one).
     monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 4500, 4500, 8))
     x, labels = make_batch(4500, 8, 1125, dtype=torch.float64, seed=7, spread=0.5)  # mining keeps few pairs
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
                                                       2.0, 50.0, 0.5, 0.1, mining, False)
-    assert _saved_code(stats, 4500) == {"dense": 1, "sparse": 2, "recompute": 0}[mode]
-    check_against_reference("cpu", dict(embeddings=x, labels=labels), torch.float64, "none", mining=mining)
+    assert _saved_code(stats, 4500) == {"dense": 4, "sparse": 2, "recompute": 0}[mode]
+    for reduction in ("mean", "none"):  # one grad_output for all anchors (K's product), and one each
+        check_against_reference("cpu", dict(embeddings=x, labels=labels), torch.float64, reduction, mining=mining)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -169,7 +173,7 @@ def test_sparse_backward_path(case):
 
 
 # ---- the pair weights the forward keeps: dense, sparse (CSR) or none (recomputed) ---------------
-SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3}
+SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3, "symmetric": 4}  # symmetric: the self case's dense K
 
 
 def _budget_mb(mode, batch, ref_rows, elem_size):
@@ -211,10 +215,11 @@ def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, kwargs["labels"], kwargs.get("ids"), ref,
                                                       kwargs.get("ref_labels"), kwargs.get("ref_ids"),
                                                       2.0, 50.0, 0.5, 0.1, mining, False)
-    expected = {"dense": [1], "recompute": [0], "sparse": [2] if mining else [3]}[mode]
+    expected = {"dense": [4 if case == "self" else 1], "recompute": [0], "sparse": [2] if mining else [3]}[mode]
     assert _saved_code(stats, 97) in expected
     assert stats.shape == (4 + ms_loss_cuda.ops.cpu_saved_rows(97, ref_rows, dtype.itemsize), 97)  # the fake's
-    check_against_reference("cpu", kwargs, dtype, "none", mining=mining)
+    for reduction in ("sum", "none"):
+        check_against_reference("cpu", kwargs, dtype, reduction, mining=mining)
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
@@ -228,16 +233,16 @@ def test_saved_weights_are_deterministic_and_pass_opcheck(monkeypatch, mode, cas
     monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, 97 if ref is None else ref.shape[0], 4))
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
-    assert _saved_code(stats, 97) == SAVED_CODES[mode]
-    grad = torch.rand_like(loss)
-    first = torch.ops.ms_loss_cuda.ms_loss_backward(grad, stats, *detached)
-    for _ in range(2):
-        again_loss, again_stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
-        assert torch.equal(again_loss, loss) and torch.equal(again_stats, stats)
-        again = torch.ops.ms_loss_cuda.ms_loss_backward(grad, again_stats, *detached)
-        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    assert _saved_code(stats, 97) == SAVED_CODES["symmetric" if mode == "dense" and ref is None else mode]
     torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_forward.default, args)
-    torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_backward.default, (grad, stats) + detached)
+    for grad in (torch.rand_like(loss), torch.full_like(loss, 0.37)):  # one grad_output each, or the same
+        first = torch.ops.ms_loss_cuda.ms_loss_backward(grad, stats, *detached)
+        for _ in range(2):
+            again_loss, again_stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
+            assert torch.equal(again_loss, loss) and torch.equal(again_stats, stats)
+            again = torch.ops.ms_loss_cuda.ms_loss_backward(grad, again_stats, *detached)
+            assert all(torch.equal(a, b) for a, b in zip(again, first))
+        torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_backward.default, (grad, stats) + detached)
 
 
 def test_a_second_backward_sees_the_same_saved_weights():
