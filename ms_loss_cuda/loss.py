@@ -171,16 +171,37 @@ def unit_rows(t):
     """Rows scaled to unit L2 norm, in t's own dtype. Under CUDA autocast F.normalize returns float32
     (its norm is an autocast float32 op), which would send 16-bit embeddings to the float32 kernels;
     here only the norm is float32 (float64 for float64), the rows keep their dtype."""
-    norm = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32))
-    return t / norm.clamp_min(1e-12).to(t.dtype)
+    return _UnitRows.apply(t)
+
+
+class _UnitRows(torch.autograd.Function):
+    """y = t / max(|t|, 1e-12) row by row, with the analytic backward dt = (g - y (g . y)) / |t| (just
+    g / 1e-12 where the norm was clamped): two passes over [B, D], where autograd's chain through
+    the division and the norm makes six."""
+
+    @staticmethod
+    def forward(ctx, t):
+        norm = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32))
+        norm = norm.clamp_min(1e-12)
+        y = t / norm.to(t.dtype)
+        ctx.save_for_backward(y, norm)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, norm = ctx.saved_tensors
+        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
+        return torch.addcmul(g, y, along.to(g.dtype), value=-1).div_(norm.to(g.dtype))
 
 
 def _nan_if_nonfinite(loss, *inputs):
-    """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number)."""
-    finite = torch.isfinite(inputs[0]).all()
-    for t in inputs[1:]:
-        if t is not None:
-            finite = finite & torch.isfinite(t).all()
+    """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on
+    each tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's
+    size (torch.isfinite(t).all() took 10x longer)."""
+    finite = torch.ones((), dtype=torch.bool, device=loss.device)
+    for t in inputs:
+        if t is not None and t.numel() > 0:
+            finite = finite & torch.isfinite(torch.stack(torch.aminmax(t))).all()
     return torch.where(finite, loss, torch.nan)
 
 
