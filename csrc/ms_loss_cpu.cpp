@@ -9,7 +9,8 @@
 //   overwrite S in place. The backward never recomputes S: dx = diag(g) G r (+ G^T diag(g) x in the
 //   self case), dref = G^T diag(g) x, as BLAS products, or as gathers over the non-zeros when
 //   mining kept fewer than 1 pair in 16.
-// - sparse, when they do not fit but at least 1 pair in 16 does (CSR: offsets, columns, weights):
+// - sparse, when they do not fit but at least 1 pair in 16 does (CSR: offsets, columns, weights),
+//   and mining keeps fewer than that (else the gathers would cost more than recomputing):
 //   S goes in row chunks of 64 MiB as below, each chunk's mined pairs are compacted; the backward
 //   is gathers (nnz * D).
 // - recompute (beyond that, or when a sparse forward overflows its capacity): rows in chunks of
@@ -651,7 +652,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
       });
       int64_t total = int64_t(offsets[i0]);
       for (int64_t r = 0; r < rows; ++r) total += counts[r];
-      if (total > capacity) {
+      if (total > capacity || total * kSparseDensityInverse >= B * R) {  // (beyond 1 in 16, GEMMs beat gathers)
         overflow = true;
         return;
       }
