@@ -92,17 +92,27 @@ MS_INLINE inline T combine_lanes(const T* lanes, Combine combine) {
   return total;
 }
 
-// exp(exponent - shift) of the pair (S_ij = v) for an anchor with these statistics and shifts when
-// the pair is in its mined set (P_i for a positive, N_i for a negative), else 0.
+// 1 when the pair (S_ij = v) is in the anchor's mined set (P_i for a positive, N_i for a negative),
+// else 0; and its exponent, less the anchor's shift. Both arms of every selection are computed
+// before it: branch-free, so the loops around them vectorise (a ternary with a product or an
+// exponential in an arm is a branch to GCC, and keeps the whole loop scalar).
+template <typename T>
+MS_INLINE inline T in_mined_set(T v, T positive, T kept, T minpos, T maxneg, const Params<T>& p) {
+  const T in_p = ms_loss::mined_positive(v, maxneg, p) ? kept : T(0);
+  const T in_n = ms_loss::mined_negative(v, minpos, p) ? kept : T(0);
+  return positive != T(0) ? in_p : in_n;
+}
+template <typename T>
+MS_INLINE inline T shifted_exponent(T v, T positive, T shift_p, T shift_n, const Params<T>& p) {
+  const T a_p = ms_loss::positive_exponent(v, p) - shift_p, a_n = ms_loss::negative_exponent(v, p) - shift_n;
+  return positive != T(0) ? a_p : a_n;
+}
+// exp(exponent - shift) of a pair in the anchor's mined set, else 0.
 template <typename T>
 MS_INLINE inline T mined_exp(T v, T positive, T kept, T minpos, T maxneg, T shift_p, T shift_n,
                              const Params<T>& p) {
-  // both arms are computed before the selection: branch-free, the loops around it vectorise
-  const T a_p = ms_loss::positive_exponent(v, p) - shift_p, a_n = ms_loss::negative_exponent(v, p) - shift_n;
-  const T in_p = ms_loss::mined_positive(v, maxneg, p) ? kept : T(0);
-  const T in_n = ms_loss::mined_negative(v, minpos, p) ? kept : T(0);
-  const T e = ms_loss::ms_exp(positive != T(0) ? a_p : a_n);
-  return (positive != T(0) ? in_p : in_n) != T(0) ? e : T(0);
+  const T e = ms_loss::ms_exp(shifted_exponent(v, positive, shift_p, shift_n, p));
+  return in_mined_set(v, positive, kept, minpos, maxneg, p) != T(0) ? e : T(0);
 }
 
 // Forward for one anchor row s[0..R): mining, then both log(1 + sum exp) terms. With kStore the row
@@ -174,8 +184,9 @@ MS_CPU_CLONES void extremes_row(const T* s, int64_t n, int64_t label, int64_t id
 
 // Mined sums of exp(exponent - shift): anchor i's into sums[0] (P) and sums[1] (N); each column
 // anchor's added to col_sum_p / col_sum_n. a: anchor i's minpos, maxneg, shift_p, shift_n; col: the
-// same four for the columns, arrays `stride` apart.
-template <typename T, bool kMining>
+// same four for the columns, arrays `stride` apart. kShared: every shift is 0 (see
+// symmetric_forward), and one exponential serves both anchors of the pair.
+template <typename T, bool kMining, bool kShared>
 MS_CPU_CLONES void mined_sums_row(const T* s, int64_t n, int64_t label, int64_t id, const int64_t* labels,
                                   const int64_t* ids, const T* a, const T* col, int64_t stride, Params<T> p,
                                   T* sums, T* col_sum_p, T* col_sum_n) {
@@ -185,8 +196,15 @@ MS_CPU_CLONES void mined_sums_row(const T* s, int64_t n, int64_t label, int64_t 
   for_each_lane(n, [&](int64_t j, int64_t lane) MS_INLINE {
     const T positive = labels[j] == label ? T(1) : T(0), kept = ids[j] != id ? T(1) : T(0);
     const T v = s[j];
-    const T e = mined_exp(v, positive, kept, a[0], a[1], a[2], a[3], p);
-    const T f = mined_exp(v, positive, kept, col[j], col[stride + j], col[2 * stride + j], col[3 * stride + j], p);
+    T e, f;
+    if constexpr (kShared) {
+      const T shared = ms_loss::ms_exp(shifted_exponent(v, positive, T(0), T(0), p));
+      e = in_mined_set(v, positive, kept, a[0], a[1], p) != T(0) ? shared : T(0);
+      f = in_mined_set(v, positive, kept, col[j], col[stride + j], p) != T(0) ? shared : T(0);
+    } else {
+      e = mined_exp(v, positive, kept, a[0], a[1], a[2], a[3], p);
+      f = mined_exp(v, positive, kept, col[j], col[stride + j], col[2 * stride + j], col[3 * stride + j], p);
+    }
     lane_a[lane] += positive != T(0) ? e : T(0);
     lane_b[lane] += positive != T(0) ? T(0) : e;
     col_sum_p[j] += positive != T(0) ? f : T(0);
@@ -195,6 +213,31 @@ MS_CPU_CLONES void mined_sums_row(const T* s, int64_t n, int64_t label, int64_t 
   const auto add = [](T x, T y) { return x + y; };
   sums[0] = combine_lanes(lane_a, add);
   sums[1] = combine_lanes(lane_b, add);
+}
+
+// Pass 3 with one shared exponential: K_ij = -/+ exp(a_ij) (in_i F_i + in_j F_j), with the per-anchor
+// factors F = count * exp(-LP) for a positive pair, count * exp(-LN) for a negative one. a: anchor
+// i's minpos, maxneg, F_p, F_n; col: the same four for the columns, `stride` apart. Returns the row's
+// non-zeros.
+template <typename T, bool kMining>
+MS_CPU_CLONES int64_t shared_weights_row(T* s, int64_t n, int64_t label, int64_t id, const int64_t* labels,
+                                         const int64_t* ids, const T* a, const T* col, int64_t stride, Params<T> p) {
+  p.mining = kMining;
+  const T minpos = a[0], maxneg = a[1], f_p = a[2], f_n = a[3];
+  int64_t nonzeros = 0;
+#pragma omp simd reduction(+ : nonzeros)
+  for (int64_t j = 0; j < n; ++j) {
+    const T positive = labels[j] == label ? T(1) : T(0), kept = ids[j] != id ? T(1) : T(0);
+    const T v = s[j], col_f_p = col[2 * stride + j], col_f_n = col[3 * stride + j];
+    const T e = ms_loss::ms_exp(shifted_exponent(v, positive, T(0), T(0), p));
+    const T f_i = positive != T(0) ? f_p : f_n, f_j = positive != T(0) ? col_f_p : col_f_n;
+    const T in_i = in_mined_set(v, positive, kept, minpos, maxneg, p);
+    const T in_j = in_mined_set(v, positive, kept, col[j], col[stride + j], p);
+    const T w = e * (in_i * f_i + in_j * f_j);
+    s[j] = positive != T(0) ? -w : w;
+    nonzeros += w != T(0) ? 1 : 0;
+  }
+  return nonzeros;
 }
 
 // Backward for one anchor row, in place: s[j] = S_ij on entry, dL/dS_ij on exit, scaled by
@@ -324,8 +367,9 @@ void for_each_chunk(const Inputs& in, Body body) {
 // stats = [4 + extra, B]: the statistics, then (flattened) a header element and the payload:
 // dense: G [B, R]; sparse: offsets [B + 1], columns [capacity], weights [capacity] (indices stored
 // as same-width integers). The header says which, and whether a sparse forward overflowed.
-// kSymmetric: the self case's K = G + G^T, strictly upper triangle, [B, B] (symmetric_forward).
-enum class SavedMode : int64_t { kRecompute = 0, kDense = 1, kSparse = 2, kOverflow = 3, kSymmetric = 4 };
+// kSymmetric: the self case's K = G + G^T, strictly upper triangle, [B, B] (symmetric_forward);
+// kSymmetricGathers: the same, with under 1 pair in 16 non-zero (the backward gathers).
+enum class SavedMode : int64_t { kRecompute = 0, kDense = 1, kSparse = 2, kOverflow = 3, kSymmetric = 4, kSymmetricGathers = 5 };
 constexpr int64_t kBlock = 256;  // the tile edge of the symmetric products and transposes
 
 struct SavedLayout {  // (a sparse payload's capacity follows from its size: sparse_capacity)
@@ -368,7 +412,8 @@ Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
   if (stats.size(0) == 4 || B == 0) return saved;
   const at::Tensor flat = stats.view(-1).narrow(0, 4 * B, stats.numel() - 4 * B);
   saved.mode = SavedMode(int64_t(flat[0].item<double>()));
-  if (saved.mode == SavedMode::kDense || saved.mode == SavedMode::kSymmetric) {
+  if (saved.mode == SavedMode::kDense || saved.mode == SavedMode::kSymmetric ||
+      saved.mode == SavedMode::kSymmetricGathers) {
     saved.dense = flat.narrow(0, 1, B * R).view({B, R});
   } else if (saved.mode == SavedMode::kSparse) {
     const int64_t capacity = sparse_capacity(flat.numel(), B, flat.element_size());
@@ -377,6 +422,15 @@ Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
     saved.weights = flat.narrow(0, B + 2 + capacity, capacity);
   }
   return saved;
+}
+
+// The non-zeros of a row.
+template <typename T>
+MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
+  int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+  for (int64_t j = 0; j < cols; ++j) count += row[j] != T(0) ? 1 : 0;
+  return count;
 }
 
 // ---- the self case with its weights kept: K = G + G^T, once per pair -------------------------
@@ -391,6 +445,10 @@ Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
 
 // Rows per strip of the reduction passes: at most 32 strips (their column partials stay small), a
 // number that depends on B alone (the combination order, hence the bits, does too).
+// Largest pair exponent for which passes 2 and 3 share one unshifted exponential (exp(60) * B
+// stays finite in float32 for any B below 10^12, exp(-L) normal for L up to 87).
+constexpr double kSharedExponentLimit = 60;
+
 int64_t reduction_strip_rows(int64_t B) { return std::clamp<int64_t>((B + 31) / 32, 16, kBlock); }
 
 // body(t) for each strip t in [0, strips), in parallel; strips t and strips - 1 - t go together (the
@@ -405,8 +463,9 @@ void for_each_strip_pair(int64_t strips, Body body) {
   });
 }
 
+// Returns the non-zeros of K's triangle.
 template <typename T>
-void symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* stats /* [4, B] */, T* loss) {
+int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* stats /* [4, B] */, T* loss) {
   const int64_t B = in.x.size(0);
   const at::Tensor s_matrix = at::from_blob(s, {B, B}, in.x.options());
   for (int64_t i0 = 0; i0 < B; i0 += kBlock) {  // S[i0:i0+rows, i0:]
@@ -436,17 +495,27 @@ void symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* stat
   combine_strips(minpos, col_a, [](T a, T b) { return std::min(a, b); });
   combine_strips(maxneg, col_b, [](T a, T b) { return std::max(a, b); });
 
+  // Every pair's exponent is at most its anchors' hardest pair's (alpha, beta > 0). While that stays
+  // moderate, exp(a) needs no shift (no sum can overflow) and one exponential serves both anchors
+  // of a pair in passes 2 and 3 (the weights as exp(a) * exp(-L)); beyond it, shifts and two.
+  T largest = -ms_loss::infinity<T>();
+  for (int64_t i = 0; i < B; ++i) {
+    if (minpos[i] < ms_loss::infinity<T>()) largest = std::max(largest, ms_loss::positive_exponent(minpos[i], p));
+    if (maxneg[i] > -ms_loss::infinity<T>()) largest = std::max(largest, ms_loss::negative_exponent(maxneg[i], p));
+  }
+  const bool shared = p.alpha > 0 && p.beta > 0 && largest <= T(kSharedExponentLimit);
   std::vector<T> shifted(4 * B);  // minpos, maxneg, shift_p, shift_n: rows B apart
   for (int64_t i = 0; i < B; ++i) {
     shifted[i] = minpos[i];
     shifted[B + i] = maxneg[i];
-    shifted[2 * B + i] = ms_loss::positive_shift(minpos[i], maxneg[i], p);
-    shifted[3 * B + i] = ms_loss::negative_shift(minpos[i], maxneg[i], p);
+    shifted[2 * B + i] = shared ? T(0) : ms_loss::positive_shift(minpos[i], maxneg[i], p);
+    shifted[3 * B + i] = shared ? T(0) : ms_loss::negative_shift(minpos[i], maxneg[i], p);
   }
   std::vector<T> sums(2 * B);  // P, N of each anchor's own row, interleaved
   std::fill(col_a.begin(), col_a.end(), T(0));
   std::fill(col_b.begin(), col_b.end(), T(0));
-  const auto sums_row = p.mining ? mined_sums_row<T, true> : mined_sums_row<T, false>;
+  const auto sums_row = shared ? (p.mining ? mined_sums_row<T, true, true> : mined_sums_row<T, false, true>)
+                               : (p.mining ? mined_sums_row<T, true, false> : mined_sums_row<T, false, false>);
   for_each_strip_pair(strips, [&](int64_t t) {
     for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
       const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
@@ -468,16 +537,36 @@ void symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* stat
     counts[i] = ms_loss::anchor_counts(minpos[i], maxneg[i], p) ? T(1) : T(0);
   }
 
-  const RefKeys keys{labels, ids, B};
-  const auto weights_row = p.mining ? backward_row<T, true, true> : backward_row<T, false, true>;
-  for_each_strip_pair(strips, [&](int64_t t) {
-    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
-      std::fill(s + i * B, row_of(i), T(0));
-      const AnchorStats<T> a{minpos[i], maxneg[i], lp[i], ln[i]};
-      const RefKeys rest{keys.labels + i + 1, keys.ids + i + 1, B - i - 1};
-      weights_row(row_of(i), labels[i], ids[i], rest, a, counts[i], stats + i + 1, B, counts.data() + i + 1, p);
+  std::vector<int64_t> nonzeros(strips, 0);
+  if (shared) {
+    for (int64_t i = 0; i < B; ++i) {  // shifted becomes minpos, maxneg, F_p, F_n
+      shifted[2 * B + i] = counts[i] * ms_loss::ms_exp(-lp[i]);
+      shifted[3 * B + i] = counts[i] * ms_loss::ms_exp(-ln[i]);
     }
-  });
+    const auto weights_row = p.mining ? shared_weights_row<T, true> : shared_weights_row<T, false>;
+    for_each_strip_pair(strips, [&](int64_t t) {
+      for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
+        std::fill(s + i * B, row_of(i), T(0));
+        const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
+        nonzeros[t] += weights_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a,
+                                   shifted.data() + i + 1, B, p);
+      }
+    });
+  } else {
+    const auto weights_row = p.mining ? backward_row<T, true, true> : backward_row<T, false, true>;
+    for_each_strip_pair(strips, [&](int64_t t) {
+      for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
+        std::fill(s + i * B, row_of(i), T(0));
+        const AnchorStats<T> a{minpos[i], maxneg[i], lp[i], ln[i]};
+        const RefKeys rest{labels + i + 1, ids + i + 1, B - i - 1};
+        weights_row(row_of(i), labels[i], ids[i], rest, a, counts[i], stats + i + 1, B, counts.data() + i + 1, p);
+        nonzeros[t] += row_nonzeros(row_of(i), B - i - 1);
+      }
+    });
+  }
+  int64_t total = 0;
+  for (int64_t n : nonzeros) total += n;
+  return total;
 }
 
 // dx = g K x from K's strictly upper triangle: per strip, K[I, i0:] x[i0:] into dx[I] and its
@@ -491,15 +580,6 @@ void symmetric_times(const at::Tensor& K, double g, const at::Tensor& x, at::Ten
     out.narrow(0, i0, rows).addmm_(strip, x.narrow(0, i0, B - i0), 1.0, g);
     out.narrow(0, i0, B - i0).addmm_(strip.t(), x.narrow(0, i0, rows), 1.0, g);
   }
-}
-
-// The non-zeros of each row of a dense [rows, cols] matrix (rows in parallel).
-template <typename T>
-MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
-  int64_t count = 0;
-#pragma omp simd reduction(+ : count)
-  for (int64_t j = 0; j < cols; ++j) count += row[j] != T(0) ? 1 : 0;
-  return count;
 }
 
 // CSR of a dense matrix from its rows' non-zero counts: offsets [rows + 1], columns, values
@@ -621,8 +701,9 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
       flat.narrow(0, 1 + B * R, flat.numel() - 1 - B * R).zero_();
       at::Tensor s = flat.narrow(0, 1, B * R).view({B, R});
       if (in.self_case) {
-        flat[0] = double(SavedMode::kSymmetric);
-        symmetric_forward(in, p, s.data_ptr<scalar_t>(), stats_ptr, loss_ptr);
+        const int64_t nonzeros = symmetric_forward(in, p, s.data_ptr<scalar_t>(), stats_ptr, loss_ptr);
+        const bool few = 2 * nonzeros * kSparseDensityInverse < B * B;  // (K's triangle holds half the pairs)
+        flat[0] = double(few ? SavedMode::kSymmetricGathers : SavedMode::kSymmetric);
       } else {
         at::mm_out(s, in.x, in.ref.t());
         reduce_rows(0, B, s.data_ptr<scalar_t>());
@@ -709,7 +790,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
     for (int64_t i = 0; i < B; ++i) {
       if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) scale_ptr[i] = 0;
     }
-    if (saved.mode == SavedMode::kSymmetric) {
+    if (saved.mode == SavedMode::kSymmetric || saved.mode == SavedMode::kSymmetricGathers) {
       // K holds the counting anchors' weights unscaled: dx = g K x when they share one finite g
       bool uniform = true, seen = false;
       scalar_t g = 0;
@@ -719,14 +800,12 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
         uniform = uniform && scale_ptr[i] == g && std::isfinite(g);
       }
       if (uniform) {
-        const scalar_t* K = saved.dense.data_ptr<scalar_t>();
-        std::vector<int64_t> counts(B);
-        at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) counts[i] = row_nonzeros(K + i * B + i + 1, B - i - 1);
-        });
-        int64_t nonzeros = 0;
-        for (int64_t c : counts) nonzeros += c;
-        if (2 * nonzeros * kSparseDensityInverse < B * B) {  // gathers over the triangle and its transpose
+        if (saved.mode == SavedMode::kSymmetricGathers) {  // over the triangle and its transpose
+          const scalar_t* K = saved.dense.data_ptr<scalar_t>();
+          std::vector<int64_t> counts(B);
+          at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) counts[i] = row_nonzeros(K + i * B + i + 1, B - i - 1);
+          });
           std::vector<int64_t> offsets, columns;
           std::vector<scalar_t> weights, same_g(B, g);
           dense_to_csr(K, B, B, counts, offsets, columns, weights, true);

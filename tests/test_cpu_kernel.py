@@ -34,6 +34,15 @@ def test_options(case, skip, normalize, reduction):
                             alpha=3.0, beta=20.0, base=0.4, epsilon=0.05)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("mining", [True, False])
+def test_large_exponents(mining, reduction):
+    """Pair exponents above 60 (beta = 250, base = 0: up to 75 here): the self case's passes shift every exponent by
+    its anchor's largest instead of sharing one unshifted exponential."""
+    kwargs = build_case("self", 97, 130, torch.float64, seed=8)
+    check_against_reference("cpu", kwargs, torch.float64, reduction, mining=mining, beta=250.0, base=0.0)
+
+
 @pytest.mark.parametrize("batch,dim", [(1, 3), (2, 1), (2, 3), (97, 1), (97, 3), (97, 130), (1031, 3), (1031, 130)])
 @pytest.mark.parametrize("mining", [True, False])
 def test_sizes(batch, dim, mining):
@@ -49,7 +58,7 @@ def test_several_row_chunks(monkeypatch, mining, mode):
     x, labels = make_batch(4500, 8, 1125, dtype=torch.float64, seed=7, spread=0.4)  # mining keeps about 4%
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
                                                       2.0, 50.0, 0.5, 0.1, mining, False)
-    assert _saved_code(stats, 4500) == {"dense": 4, "sparse": 2, "recompute": 0}[mode]
+    assert _saved_code(stats, 4500) == {"dense": 5 if mining else 4, "sparse": 2, "recompute": 0}[mode]
     for reduction in ("mean", "none"):  # one grad_output for all anchors (K's product), and one each
         check_against_reference("cpu", dict(embeddings=x, labels=labels), torch.float64, reduction, mining=mining)
 
@@ -173,7 +182,7 @@ def test_sparse_backward_path(case):
 
 
 # ---- the pair weights the forward keeps: dense, sparse (CSR) or none (recomputed) ---------------
-SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3, "symmetric": 4}  # symmetric: the self case's dense K
+SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3, "symmetric": 4, "symmetric gathers": 5}  # (the self case's K)
 
 
 def _budget_mb(mode, batch, ref_rows, elem_size):
@@ -215,7 +224,8 @@ def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, kwargs["labels"], kwargs.get("ids"), ref,
                                                       kwargs.get("ref_labels"), kwargs.get("ref_ids"),
                                                       2.0, 50.0, 0.5, 0.1, mining, False)
-    expected = {"dense": [4 if case == "self" else 1], "recompute": [0], "sparse": [2] if mining else [3]}[mode]
+    dense = (5 if mining else 4) if case == "self" else 1  # (mining keeps few pairs: K's backward gathers)
+    expected = {"dense": [dense], "recompute": [0], "sparse": [2] if mining else [3]}[mode]
     assert _saved_code(stats, 97) in expected
     assert stats.shape == (4 + ms_loss_cuda.ops.cpu_saved_rows(97, ref_rows, dtype.itemsize), 97)  # the fake's
     for reduction in ("sum", "none"):
@@ -233,7 +243,7 @@ def test_saved_weights_are_deterministic_and_pass_opcheck(monkeypatch, mode, cas
     monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, 97 if ref is None else ref.shape[0], 4))
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
-    assert _saved_code(stats, 97) == SAVED_CODES["symmetric" if mode == "dense" and ref is None else mode]
+    assert _saved_code(stats, 97) == SAVED_CODES["symmetric gathers" if mode == "dense" and ref is None else mode]
     torch.library.opcheck(torch.ops.ms_loss_cuda.ms_loss_forward.default, args)
     for grad in (torch.rand_like(loss), torch.full_like(loss, 0.37)):  # one grad_output each, or the same
         first = torch.ops.ms_loss_cuda.ms_loss_backward(grad, stats, *detached)
