@@ -389,11 +389,27 @@ int64_t saved_budget_bytes() {
   return mb > 0 ? int64_t(mb * double(1 << 20)) : 0;
 }
 
+// The self case's strictly upper triangle (K, and S before it), stored strip by strip: strip t,
+// rows [i0, i0 + kBlock) with i0 = t kBlock, is a row-major [rows, B - i0] block of the columns from
+// i0 on (its diagonal block's lower half and diagonal held as zeros). Element (i, c), c >= i0, is
+// at row_start(i) + c. About half of B x B.
+struct Triangle {
+  int64_t B;
+  int64_t strips() const { return (B + kBlock - 1) / kBlock; }
+  int64_t strip_start(int64_t t) const { return t * kBlock * B - kBlock * kBlock * t * (t - 1) / 2; }
+  int64_t size() const { return B == 0 ? 0 : strip_start(strips() - 1) + (B - (strips() - 1) * kBlock) * (B - (strips() - 1) * kBlock); }
+  int64_t row_start(int64_t i) const {
+    const int64_t t = i / kBlock, i0 = t * kBlock;
+    return strip_start(t) + (i - i0) * (B - i0) - i0;
+  }
+};
+
 // Must match ms_loss_cuda/ops.py's cpu_saved_rows (the fake kernel's shape).
-SavedLayout saved_layout(int64_t B, int64_t R, int64_t elem_size) {
+SavedLayout saved_layout(int64_t B, int64_t R, int64_t elem_size, bool self_case) {
   const int64_t budget = saved_budget_bytes() / elem_size;  // elements
   if (B == 0 || R == 0 || budget <= 0) return {SavedMode::kRecompute, 0};
-  if (B <= (budget - 1) / R) return {SavedMode::kDense, (1 + B * R + B - 1) / B};
+  if (self_case && Triangle{B}.size() <= budget - 1) return {SavedMode::kDense, (1 + Triangle{B}.size() + B - 1) / B};
+  if (!self_case && B <= (budget - 1) / R) return {SavedMode::kDense, (1 + B * R + B - 1) / B};
   const int64_t capacity = sparse_capacity(budget, B, elem_size);
   if (capacity < B || capacity < B * R / kSparseDensityInverse) return {SavedMode::kRecompute, 0};
   return {SavedMode::kSparse, (1 + B + 1 + 2 * capacity + B - 1) / B};
@@ -403,7 +419,7 @@ at::ScalarType index_dtype(const at::Tensor& t) { return t.element_size() == 4 ?
 
 struct Saved {  // views of the payload
   SavedMode mode;
-  at::Tensor dense;                      // [B, R]
+  at::Tensor dense;                      // [B, R]; the self case: its Triangle, flat
   at::Tensor offsets, columns, weights;  // CSR
 };
 
@@ -412,9 +428,10 @@ Saved saved_views(const at::Tensor& stats, int64_t B, int64_t R) {
   if (stats.size(0) == 4 || B == 0) return saved;
   const at::Tensor flat = stats.view(-1).narrow(0, 4 * B, stats.numel() - 4 * B);
   saved.mode = SavedMode(int64_t(flat[0].item<double>()));
-  if (saved.mode == SavedMode::kDense || saved.mode == SavedMode::kSymmetric ||
-      saved.mode == SavedMode::kSymmetricGathers) {
+  if (saved.mode == SavedMode::kDense) {
     saved.dense = flat.narrow(0, 1, B * R).view({B, R});
+  } else if (saved.mode == SavedMode::kSymmetric || saved.mode == SavedMode::kSymmetricGathers) {
+    saved.dense = flat.narrow(0, 1, Triangle{B}.size());
   } else if (saved.mode == SavedMode::kSparse) {
     const int64_t capacity = sparse_capacity(flat.numel(), B, flat.element_size());
     saved.offsets = flat.narrow(0, 1, B + 1).view(index_dtype(flat));
@@ -465,18 +482,21 @@ void for_each_strip_pair(int64_t strips, Body body) {
 
 // Returns the non-zeros of K's triangle.
 template <typename T>
-int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* stats /* [4, B] */, T* loss) {
+int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* Triangle */, T* stats /* [4, B] */, T* loss) {
   const int64_t B = in.x.size(0);
-  const at::Tensor s_matrix = at::from_blob(s, {B, B}, in.x.options());
-  for (int64_t i0 = 0; i0 < B; i0 += kBlock) {  // S[i0:i0+rows, i0:]
-    const int64_t rows = std::min(kBlock, B - i0);
-    at::Tensor out = s_matrix.narrow(0, i0, rows).narrow(1, i0, B - i0);
+  const Triangle triangle{B};
+  for (int64_t t = 0; t < triangle.strips(); ++t) {  // S[i0:i0+rows, i0:]
+    const int64_t i0 = t * kBlock, rows = std::min(kBlock, B - i0);
+    at::Tensor out = at::from_blob(s + triangle.strip_start(t), {rows, B - i0}, in.x.options());
     at::mm_out(out, in.x.narrow(0, i0, rows), in.x.narrow(0, i0, B - i0).t());
   }
   const int64_t* labels = in.labels.data_ptr<int64_t>();
   const int64_t* ids = in.ids.data_ptr<int64_t>();
   const int64_t height = reduction_strip_rows(B), strips = (B + height - 1) / height;
-  const auto row_of = [&](int64_t i) { return s + i * B + i + 1; };  // row i from column i + 1 on
+  const auto row_of = [&](int64_t i) { return s + triangle.row_start(i) + i + 1; };  // row i from column i + 1 on
+  const auto zero_below = [&](int64_t i) {  // columns [i0, i] of row i: the diagonal block's lower half
+    std::fill(s + triangle.row_start(i) + i / kBlock * kBlock, row_of(i), T(0));
+  };
   std::vector<T> col_a(strips * B), col_b(strips * B);  // per-strip column partials
   // for each anchor i, its own row's result then the strips' column results in order, by `combine`
   const auto combine_strips = [&](T* row_result, const std::vector<T>& col, auto combine) {
@@ -546,7 +566,7 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* s
     const auto weights_row = p.mining ? shared_weights_row<T, true> : shared_weights_row<T, false>;
     for_each_strip_pair(strips, [&](int64_t t) {
       for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
-        std::fill(s + i * B, row_of(i), T(0));
+        zero_below(i);
         const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
         nonzeros[t] += weights_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a,
                                    shifted.data() + i + 1, B, p);
@@ -556,7 +576,7 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* s
     const auto weights_row = p.mining ? backward_row<T, true, true> : backward_row<T, false, true>;
     for_each_strip_pair(strips, [&](int64_t t) {
       for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
-        std::fill(s + i * B, row_of(i), T(0));
+        zero_below(i);
         const AnchorStats<T> a{minpos[i], maxneg[i], lp[i], ln[i]};
         const RefKeys rest{labels + i + 1, ids + i + 1, B - i - 1};
         weights_row(row_of(i), labels[i], ids[i], rest, a, counts[i], stats + i + 1, B, counts.data() + i + 1, p);
@@ -571,23 +591,23 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* [B, B] */, T* s
 
 // dx = g K x from K's strictly upper triangle: per strip, K[I, i0:] x[i0:] into dx[I] and its
 // transpose K[I, i0:]^T x[I] into dx[i0:] (one product of work in all).
-void symmetric_times(const at::Tensor& K, double g, const at::Tensor& x, at::Tensor& out) {
+void symmetric_times(const at::Tensor& K /* Triangle, flat */, double g, const at::Tensor& x, at::Tensor& out) {
   const int64_t B = x.size(0);
+  const Triangle triangle{B};
   out.zero_();
-  for (int64_t i0 = 0; i0 < B; i0 += kBlock) {
-    const int64_t rows = std::min(kBlock, B - i0);
-    const at::Tensor strip = K.narrow(0, i0, rows).narrow(1, i0, B - i0);
+  for (int64_t t = 0; t < triangle.strips(); ++t) {
+    const int64_t i0 = t * kBlock, rows = std::min(kBlock, B - i0);
+    const at::Tensor strip = K.narrow(0, triangle.strip_start(t), rows * (B - i0)).view({rows, B - i0});
     out.narrow(0, i0, rows).addmm_(strip, x.narrow(0, i0, B - i0), 1.0, g);
     out.narrow(0, i0, B - i0).addmm_(strip.t(), x.narrow(0, i0, rows), 1.0, g);
   }
 }
 
-// CSR of a dense matrix from its rows' non-zero counts: offsets [rows + 1], columns, values
-// (strictly_upper: only the columns after the diagonal are read).
-template <typename T>
-void dense_to_csr(const T* h, int64_t rows, int64_t cols, const std::vector<int64_t>& counts,
-                  std::vector<int64_t>& offsets, std::vector<int64_t>& columns, std::vector<T>& values,
-                  bool strictly_upper) {
+// CSR from rows' non-zero counts: offsets [rows + 1], columns, values. Row r's entries are
+// row(r)[j] for j in [first(r), cols).
+template <typename T, typename Row, typename First>
+void dense_to_csr(Row row, First first, int64_t rows, int64_t cols, const std::vector<int64_t>& counts,
+                  std::vector<int64_t>& offsets, std::vector<int64_t>& columns, std::vector<T>& values) {
   offsets.assign(rows + 1, 0);
   for (int64_t r = 0; r < rows; ++r) offsets[r + 1] = offsets[r] + counts[r];
   columns.resize(offsets[rows]);
@@ -595,8 +615,9 @@ void dense_to_csr(const T* h, int64_t rows, int64_t cols, const std::vector<int6
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int64_t at = offsets[r];
-      for (int64_t j = strictly_upper ? r + 1 : 0; j < cols; ++j)
-        if (h[r * cols + j] != T(0)) columns[at] = j, values[at++] = h[r * cols + j];
+      const T* h = row(r);
+      for (int64_t j = first(r); j < cols; ++j)
+        if (h[j] != T(0)) columns[at] = j, values[at++] = h[j];
     }
   });
 }
@@ -670,7 +691,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
     double epsilon, bool mining, bool skip_incomplete_anchors) {
   const Inputs in = prepare(x, labels, ids, ref, ref_labels, ref_ids);
   const int64_t B = in.x.size(0), R = in.ref.size(0);
-  const SavedLayout layout = saved_layout(B, R, in.x.element_size());
+  const SavedLayout layout = saved_layout(B, R, in.x.element_size(), in.self_case);
   at::Tensor loss = at::empty({B}, in.x.options());
   at::Tensor stats = large_empty({4 + layout.extra_rows, B}, in.x.options());
   if (B == 0) return {loss, stats};
@@ -697,14 +718,15 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
     // (every element of stats is written, padding included: the same inputs give the same bits)
     at::Tensor flat = stats.view(-1).narrow(0, 4 * B, stats.numel() - 4 * B);
     if (layout.mode == SavedMode::kDense) {
-      flat[0] = double(SavedMode::kDense);
-      flat.narrow(0, 1 + B * R, flat.numel() - 1 - B * R).zero_();
-      at::Tensor s = flat.narrow(0, 1, B * R).view({B, R});
+      const int64_t payload = in.self_case ? Triangle{B}.size() : B * R;
+      flat.narrow(0, 1 + payload, flat.numel() - 1 - payload).zero_();
       if (in.self_case) {
-        const int64_t nonzeros = symmetric_forward(in, p, s.data_ptr<scalar_t>(), stats_ptr, loss_ptr);
+        const int64_t nonzeros = symmetric_forward(in, p, flat.data_ptr<scalar_t>() + 1, stats_ptr, loss_ptr);
         const bool few = 2 * nonzeros * kSparseDensityInverse < B * B;  // (K's triangle holds half the pairs)
         flat[0] = double(few ? SavedMode::kSymmetricGathers : SavedMode::kSymmetric);
       } else {
+        flat[0] = double(SavedMode::kDense);
+        at::Tensor s = flat.narrow(0, 1, B * R).view({B, R});
         at::mm_out(s, in.x, in.ref.t());
         reduce_rows(0, B, s.data_ptr<scalar_t>());
       }
@@ -802,13 +824,16 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
       if (uniform) {
         if (saved.mode == SavedMode::kSymmetricGathers) {  // over the triangle and its transpose
           const scalar_t* K = saved.dense.data_ptr<scalar_t>();
+          const Triangle triangle{B};
+          const auto row = [&](int64_t i) { return K + triangle.row_start(i); };
+          const auto first = [](int64_t i) { return i + 1; };
           std::vector<int64_t> counts(B);
           at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t i = begin; i < end; ++i) counts[i] = row_nonzeros(K + i * B + i + 1, B - i - 1);
+            for (int64_t i = begin; i < end; ++i) counts[i] = row_nonzeros(row(i) + i + 1, B - i - 1);
           });
           std::vector<int64_t> offsets, columns;
           std::vector<scalar_t> weights, same_g(B, g);
-          dense_to_csr(K, B, B, counts, offsets, columns, weights, true);
+          dense_to_csr(row, first, B, B, counts, offsets, columns, weights);
           csr_backward(offsets.data(), columns.data(), weights.data(), B, B, same_g.data(), in, false, grad_x, grad_ref);
         } else {
           symmetric_times(saved.dense, double(g), in.x, grad_x);
@@ -827,7 +852,8 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
       if (nonzeros * kSparseDensityInverse < B * R) {  // mining kept few pairs: gathers, nnz * D
         std::vector<int64_t> offsets, columns;
         std::vector<scalar_t> weights;
-        dense_to_csr(G, B, R, counts, offsets, columns, weights, false);
+        dense_to_csr([&](int64_t i) { return G + i * R; }, [](int64_t) { return int64_t(0); }, B, R, counts,
+                     offsets, columns, weights);
         csr_backward(offsets.data(), columns.data(), weights.data(), B, R, scale_ptr, in, want_ref, grad_x, grad_ref);
       } else {  // dx = diag(g) G r, dref = G^T diag(g) x: BLAS products
         at::mm_out(grad_x, saved.dense, in.ref);

@@ -26,21 +26,28 @@ def _compute_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def cpu_saved_rows(batch, ref_rows, elem_size):
+def cpu_saved_rows(batch, ref_rows, elem_size, self_case):
     """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward
-    (csrc/ms_loss_cpu.cpp, saved_layout): dense when B * R weights fit MS_LOSS_CPU_SAVED_MB (default
-    256), else a sparse payload of that size when it holds at least 1 pair in 16, else none (the
-    backward recomputes the similarities)."""
+    (csrc/ms_loss_cpu.cpp, saved_layout): dense when they fit MS_LOSS_CPU_SAVED_MB (default 256;
+    B x R weights, or in the self case the strictly upper triangle in strips of 256 rows), else a
+    sparse payload of that size when it holds at least 1 pair in 16, else none (the backward
+    recomputes the similarities)."""
     budget = int(float(os.environ.get("MS_LOSS_CPU_SAVED_MB", "256")) * (1 << 20)) // elem_size
     if batch == 0 or ref_rows == 0 or budget <= 0:
         return 0
-    if batch <= (budget - 1) // ref_rows:
-        return -(-(1 + batch * ref_rows) // batch)
+    dense = _triangle_size(batch) if self_case else batch * ref_rows
+    if dense <= budget - 1:
+        return -(-(1 + dense) // batch)
     capacity = (budget - 1 - (batch + 1)) // 2
     if elem_size == 4:
         capacity = min(capacity, 2 ** 31 - 1)
     worth_it = capacity >= batch and capacity >= batch * ref_rows // 16  # room for 1 pair in 16 at least
     return -(-(1 + batch + 1 + 2 * capacity) // batch) if worth_it else 0
+
+
+def _triangle_size(batch, block=256):
+    """Elements of the self case's triangle: strip t holds rows [t block, ...) from column t block on."""
+    return sum(min(block, batch - start) * (batch - start) for start in range(0, batch, block))
 
 
 def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None):
@@ -56,7 +63,8 @@ def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None)
         dtype = _compute_dtype(x)
         extra = 0
         if saved_rows is not None and x.device.type == "cpu":
-            extra = saved_rows(batch, batch if ref is None else ref.shape[0], 8 if dtype == torch.float64 else 4)
+            extra = saved_rows(batch, batch if ref is None else ref.shape[0], 8 if dtype == torch.float64 else 4,
+                               ref is None)
         return x.new_empty((batch,), dtype=dtype), x.new_empty((4 + extra, batch), dtype=dtype)
 
     @torch.library.register_fake(backward_name)

@@ -54,7 +54,7 @@ def test_sizes(batch, dim, mining):
 def test_several_row_chunks(monkeypatch, mining, mode):
     # 4500 x 4500 float64 similarities do not fit one 64 MiB chunk: rows go in 3 chunks (sparse,
     # recompute); the dense self case keeps K = G + G^T in 18 strips (a partial last one).
-    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 4500, 4500, 8))
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 4500, 4500, 8, True))
     x, labels = make_batch(4500, 8, 1125, dtype=torch.float64, seed=7, spread=0.4)  # mining keeps about 4%
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
                                                       2.0, 50.0, 0.5, 0.1, mining, False)
@@ -185,15 +185,16 @@ def test_sparse_backward_path(case):
 SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3, "symmetric": 4, "symmetric gathers": 5}  # (the self case's K)
 
 
-def _budget_mb(mode, batch, ref_rows, elem_size):
+def _budget_mb(mode, batch, ref_rows, elem_size, self_case):
     """MS_LOSS_CPU_SAVED_MB that makes the forward keep its weights `mode`-wise: sparse with room for
-    about half of the B x R pairs, where the dense weights do not fit (mining keeps fewer; without
-    mining the forward overflows and the backward recomputes)."""
+    about half of the dense payload (B x R, or the self case's triangle), which does not fit then
+    (mining keeps fewer pairs; without mining the forward overflows and the backward recomputes)."""
     if mode == "dense":
         return "256"
     if mode == "recompute":
         return "0"
-    elements = batch * ref_rows - batch  # capacity (elements - 1 - (B + 1)) / 2: about B * R / 2
+    dense = ms_loss_cuda.ops._triangle_size(batch) if self_case else batch * ref_rows
+    elements = dense - batch  # capacity (elements - 1 - (B + 1)) / 2: about half the dense payload
     return repr(elements * elem_size / 2 ** 20)
 
 
@@ -218,7 +219,7 @@ def _clustered(case, dtype):
 def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
     kwargs = _clustered(case, dtype)
     ref_rows = kwargs["ref_embeddings"].shape[0] if "ref_embeddings" in kwargs else 97
-    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, ref_rows, dtype.itemsize))
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, ref_rows, dtype.itemsize, case == "self"))
     x = F.normalize(kwargs["embeddings"], dim=1)
     ref = F.normalize(kwargs["ref_embeddings"], dim=1) if "ref_embeddings" in kwargs else None
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, kwargs["labels"], kwargs.get("ids"), ref,
@@ -227,9 +228,19 @@ def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
     dense = (5 if mining else 4) if case == "self" else 1  # (mining keeps few pairs: K's backward gathers)
     expected = {"dense": [dense], "recompute": [0], "sparse": [2] if mining else [3]}[mode]
     assert _saved_code(stats, 97) in expected
-    assert stats.shape == (4 + ms_loss_cuda.ops.cpu_saved_rows(97, ref_rows, dtype.itemsize), 97)  # the fake's
+    assert stats.shape == (4 + ms_loss_cuda.ops.cpu_saved_rows(97, ref_rows, dtype.itemsize, case == "self"), 97)
     for reduction in ("sum", "none"):
         check_against_reference("cpu", kwargs, dtype, reduction, mining=mining)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 255, 256, 257, 600])
+def test_fake_kernel_knows_the_triangle(batch):
+    """The self case's saved triangle (strips of 256 rows) has the size the fake kernel predicts."""
+    x, labels = make_batch(batch, 5, 7, dtype=torch.float32, seed=batch)
+    _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
+                                                      2.0, 50.0, 0.5, 0.1, True, False)
+    assert stats.shape == (4 + ms_loss_cuda.ops.cpu_saved_rows(batch, batch, 4, True), batch)
+    assert _saved_code(stats, batch) in (SAVED_CODES["symmetric"], SAVED_CODES["symmetric gathers"])
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
@@ -240,7 +251,7 @@ def test_saved_weights_are_deterministic_and_pass_opcheck(monkeypatch, mode, cas
     ref = F.normalize(kwargs["ref_embeddings"], dim=1).requires_grad_() if "ref_embeddings" in kwargs else None
     args = (x, kwargs["labels"], kwargs.get("ids"), ref, kwargs.get("ref_labels"), kwargs.get("ref_ids"),
             2.0, 50.0, 0.5, 0.1, True, False)
-    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, 97 if ref is None else ref.shape[0], 4))
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, 97 if ref is None else ref.shape[0], 4, ref is None))
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
     assert _saved_code(stats, 97) == SAVED_CODES["symmetric gathers" if mode == "dense" and ref is None else mode]
