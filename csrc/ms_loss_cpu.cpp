@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -293,25 +294,59 @@ void times_dense(const at::Tensor& h, const at::Tensor& dense, at::Tensor out) {
   }
 }
 
-// A buffer of many MiB, backed by transparent huge pages where the kernel gives them on request
-// (THP "madvise" mode): first touching 64 MiB in 4 KiB pages costs about 12 ms of page faults on
-// the benchmark machine, in 2 MiB pages about 3 ms. Advice only: elsewhere nothing changes.
+// The buffer of the saved weights. It is large (34 MiB at B = 4096), and a fresh one costs page
+// faults and the kernel's zeroing. Two remedies:
+// - transparent huge pages where the kernel gives them on request (THP "madvise" mode): first
+//   touching 64 MiB in 4 KiB pages took about 12 ms on the benchmark machine, in 2 MiB pages about
+//   3 ms. The pages are touched here, on every thread: faulted inside a BLAS call instead, huge pages
+//   stalled its threads (a 4096^2 product took 56 ms instead of 29).
+// - one spare: the last buffer freed is kept for the next forward that fits it (a training loop's
+//   steps have one size), which then needs neither. At most one buffer is held between steps.
+constexpr size_t kHugePage = size_t(2) << 20;
+
+struct Spare {
+  std::mutex mutex;
+  void* block = nullptr;
+  size_t bytes = 0;
+};
+Spare& spare() {
+  static Spare* the_spare = new Spare();  // (never destroyed: a buffer may come back at exit)
+  return *the_spare;
+}
+
+void keep_as_spare(void* block, size_t bytes) {
+  Spare& s = spare();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  std::free(s.block);
+  s.block = block;
+  s.bytes = bytes;
+}
+
 at::Tensor large_empty(at::IntArrayRef shape, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(shape, options);
+  const size_t needed = size_t(c10::multiply_integers(shape)) * options.dtype().itemsize();
+  if (needed < kHugePage) return at::empty(shape, options);
+  void* block = nullptr;
+  size_t bytes = (needed + kHugePage - 1) / kHugePage * kHugePage;
+  {
+    Spare& s = spare();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.block != nullptr && s.bytes >= bytes && s.bytes - bytes <= bytes / 4) {
+      std::swap(block, s.block);
+      bytes = s.bytes;
+    }
+  }
+  if (block == nullptr) {
+    block = std::aligned_alloc(kHugePage, bytes);
+    TORCH_CHECK(block != nullptr, "ms_loss: out of memory allocating ", bytes, " bytes for the saved pair weights");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t begin = (start + kHuge - 1) & ~(kHuge - 1), end = (start + t.nbytes()) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+    madvise(block, bytes, MADV_HUGEPAGE);  // advice only
 #endif
-  // touched here, a page at a time by every thread: faulted inside a BLAS call instead, 2 MiB pages
-  // stall its threads (a 4096^2 product took 56 ms instead of 29)
-  char* bytes = static_cast<char*>(t.data_ptr());
-  const int64_t pages = int64_t(t.nbytes() + 4095) / 4096;
-  at::parallel_for(0, pages, 512, [&](int64_t begin_page, int64_t end_page) {
-    for (int64_t q = begin_page; q < end_page; ++q) bytes[q * 4096] = 0;
-  });
-  return t;
+    char* first = static_cast<char*>(block);
+    at::parallel_for(0, int64_t(bytes / 4096), 512, [&](int64_t begin, int64_t end) {
+      for (int64_t page = begin; page < end; ++page) first[page * 4096] = 0;
+    });
+  }
+  return at::from_blob(block, shape, [bytes](void* data) { keep_as_spare(data, bytes); }, options);
 }
 
 struct Inputs {
@@ -616,7 +651,7 @@ void dense_to_csr(Row row, First first, int64_t rows, int64_t cols, const std::v
     for (int64_t r = begin; r < end; ++r) {
       int64_t at = offsets[r];
       const T* h = row(r);
-      for (int64_t j = first(r); j < cols; ++j)
+      for (int64_t j = first(r); j < cols && at < offsets[r + 1]; ++j)  // (stops after the row's last)
         if (h[j] != T(0)) columns[at] = j, values[at++] = h[j];
     }
   });

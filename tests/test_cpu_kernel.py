@@ -233,6 +233,37 @@ def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
         check_against_reference("cpu", kwargs, dtype, reduction, mining=mining)
 
 
+@pytest.mark.parametrize("mode", ["dense", "sparse", "overflow"])
+@pytest.mark.parametrize("case", ["self", "ref"])
+def test_a_reused_buffer_gives_the_same_bits(monkeypatch, mode, case):
+    """The forward reuses the last freed buffer of saved weights (over 2 MiB): every element of stats
+    is written again, whatever the buffer held."""
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", "256" if mode == "dense" else "3")
+    batch = 1600 if case == "self" else 1100  # (the self case's triangle: 5.6 MB, over the 3 MB budget)
+    data, data_labels = make_batch(2500, 16, 300, dtype=torch.float32, seed=4, spread=0.2 if mode == "sparse" else 1.0)
+    data = F.normalize(data, dim=1)
+
+    def forward(seed):  # (the rows in another order for another seed)
+        order = torch.randperm(2500, generator=torch.Generator().manual_seed(seed))
+        x, labels = data[order], data_labels[order]
+        ref, ref_labels = (None, None) if case == "self" else (x[batch:batch + 900], labels[batch:batch + 900])
+        return torch.ops.ms_loss_cuda.ms_loss_forward(x[:batch], labels[:batch], None, ref, ref_labels, None,
+                                                      2.0, 50.0, 0.5, 0.1, mode != "overflow", False)
+
+    out = forward(0)
+    first, buffer = [t.clone() for t in out], out[1].data_ptr()
+    assert first[1].numel() * 4 > 2 << 20
+    expected = {"dense": (4, 5) if case == "self" else (1,), "sparse": (2,), "overflow": (3,)}[mode]
+    assert _saved_code(first[1], batch) in expected
+    del out
+    other = forward(1)  # other contents in the same buffer
+    assert other[1].data_ptr() == buffer and not torch.equal(other[1], first[1])
+    del other
+    again = forward(0)
+    assert again[1].data_ptr() == buffer
+    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
 @pytest.mark.parametrize("batch", [1, 2, 255, 256, 257, 600])
 def test_fake_kernel_knows_the_triangle(batch):
     """The self case's saved triangle (strips of 256 rows) has the size the fake kernel predicts."""
