@@ -4,11 +4,12 @@
 // 256 MiB). The forward keeps the pair weights G_ij = dL_i/dS_ij (before grad_output g) for the
 // backward, after the per-anchor statistics (minpos, maxneg, LP, LN), in one self-describing
 // buffer: the op's `stats` output [4 + extra, B].
-// - dense, when B * R weights fit the budget: S is computed whole (in the self case only its upper
-//   block triangle, half the products, then mirrored); each row is mined and reduced and its weights
-//   overwrite S in place. The backward never recomputes S: dx = diag(g) G r (+ G^T diag(g) x in the
-//   self case), dref = G^T diag(g) x, as BLAS products, or as gathers over the non-zeros when
-//   mining kept fewer than 1 pair in 16.
+// - dense, with a reference set, when B * R weights fit the budget: S is computed whole; each row
+//   is mined and reduced and its weights overwrite S in place. The backward never recomputes S:
+//   dx = diag(g) G r, dref = G^T diag(g) x, as BLAS products, or as gathers over the non-zeros
+//   when mining kept fewer than 1 pair in 16.
+// - dense, in the self case, when S's strictly upper triangle fits: it holds K = G + G^T, and the
+//   backward is g K x (see symmetric_forward).
 // - sparse, when they do not fit but at least 1 pair in 16 does (CSR: offsets, columns, weights),
 //   and mining keeps fewer than that (else the gathers would cost more than recomputing):
 //   S goes in row chunks of 64 MiB as below, each chunk's mined pairs are compacted; the backward
@@ -108,6 +109,18 @@ MS_INLINE inline T shifted_exponent(T v, T positive, T shift_p, T shift_n, const
   const T a_p = ms_loss::positive_exponent(v, p) - shift_p, a_n = ms_loss::negative_exponent(v, p) - shift_n;
   return positive != T(0) ? a_p : a_n;
 }
+// Largest pair exponent for which the self case's passes 2 and 3 share one unshifted exponential
+// (see symmetric_forward): exp(60) * B stays finite in float32 for any B below 10^12, and exp(-L)
+// normal for L up to 87.
+constexpr double kSharedExponentLimit = 60;
+
+// That exponential. Every mined pair's exponent is at most the limit; the clamp keeps the pairs of
+// equal identity, which are never weighted, finite too (0 * inf would be NaN).
+template <typename T>
+MS_INLINE inline T shared_exp(T v, T positive, const Params<T>& p) {
+  return ms_loss::ms_exp(std::min(shifted_exponent(v, positive, T(0), T(0), p), T(kSharedExponentLimit)));
+}
+
 // exp(exponent - shift) of a pair in the anchor's mined set, else 0.
 template <typename T>
 MS_INLINE inline T mined_exp(T v, T positive, T kept, T minpos, T maxneg, T shift_p, T shift_n,
@@ -199,7 +212,7 @@ MS_CPU_CLONES void mined_sums_row(const T* s, int64_t n, int64_t label, int64_t 
     const T v = s[j];
     T e, f;
     if constexpr (kShared) {
-      const T shared = ms_loss::ms_exp(shifted_exponent(v, positive, T(0), T(0), p));
+      const T shared = shared_exp(v, positive, p);
       e = in_mined_set(v, positive, kept, a[0], a[1], p) != T(0) ? shared : T(0);
       f = in_mined_set(v, positive, kept, col[j], col[stride + j], p) != T(0) ? shared : T(0);
     } else {
@@ -230,7 +243,7 @@ MS_CPU_CLONES int64_t shared_weights_row(T* s, int64_t n, int64_t label, int64_t
   for (int64_t j = 0; j < n; ++j) {
     const T positive = labels[j] == label ? T(1) : T(0), kept = ids[j] != id ? T(1) : T(0);
     const T v = s[j], col_f_p = col[2 * stride + j], col_f_n = col[3 * stride + j];
-    const T e = ms_loss::ms_exp(shifted_exponent(v, positive, T(0), T(0), p));
+    const T e = shared_exp(v, positive, p);
     const T f_i = positive != T(0) ? f_p : f_n, f_j = positive != T(0) ? col_f_p : col_f_n;
     const T in_i = in_mined_set(v, positive, kept, minpos, maxneg, p);
     const T in_j = in_mined_set(v, positive, kept, col[j], col[stride + j], p);
@@ -491,16 +504,13 @@ MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
 // products) and reduced: each S_ij, i < j, once for both anchors, along the row for anchor i (a
 // horizontal reduction) and down the column for anchor j (elementwise, into per-strip column
 // partials that are combined in strip order: the same bits for any number of threads). Three
-// passes: extremes (minpos, maxneg), mined sums (LP, LN), then K_ij in place of S_ij; the rest of
-// the buffer is zero. With one grad_output g for every counting anchor (any reduction but "none")
-// the backward is dx = g K x, one product over the triangle; otherwise it recomputes.
+// passes: extremes (minpos, maxneg), mined sums (LP, LN), then K_ij in place of S_ij (the diagonal
+// blocks' lower halves are zero). With one grad_output g for every counting anchor (the "mean" and
+// "sum" reductions) the backward is dx = g K x, one product over the triangle; otherwise it
+// recomputes.
 
 // Rows per strip of the reduction passes: at most 32 strips (their column partials stay small), a
 // number that depends on B alone (the combination order, hence the bits, does too).
-// Largest pair exponent for which passes 2 and 3 share one unshifted exponential (exp(60) * B
-// stays finite in float32 for any B below 10^12, exp(-L) normal for L up to 87).
-constexpr double kSharedExponentLimit = 60;
-
 int64_t reduction_strip_rows(int64_t B) { return std::clamp<int64_t>((B + 31) / 32, 16, kBlock); }
 
 // body(t) for each strip t in [0, strips), in parallel; strips t and strips - 1 - t go together (the

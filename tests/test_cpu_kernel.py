@@ -43,6 +43,21 @@ def test_large_exponents(mining, reduction):
     check_against_reference("cpu", kwargs, torch.float64, reduction, mining=mining, beta=250.0, base=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_huge_similarity_between_equal_identities_stays_out(dtype):
+    """Two rows of one identity with a similarity of 400 (unnormalised) and different labels: the pair
+    is never weighted, and its exponent (about 20000) must not turn into inf * 0 = NaN."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.zeros(40, 9, dtype=torch.float64)
+    x[:, 1:] = F.normalize(torch.randn(40, 8, generator=gen, dtype=torch.float64), dim=1)
+    x[:2] = 0
+    x[:2, 0] = 20.0
+    labels, ids = torch.arange(40) % 8, torch.arange(40)
+    ids[1] = 0
+    kwargs = dict(embeddings=x.to(dtype), labels=labels, ids=ids)
+    check_against_reference("cpu", kwargs, dtype, "mean", normalize=False, base=3.0)
+
+
 @pytest.mark.parametrize("batch,dim", [(1, 3), (2, 1), (2, 3), (97, 1), (97, 3), (97, 130), (1031, 3), (1031, 130)])
 @pytest.mark.parametrize("mining", [True, False])
 def test_sizes(batch, dim, mining):
