@@ -263,7 +263,7 @@ def table(rows, shapes, providers):
         ok = {p: r["seconds"] for p, r in here.items() if r.get("status") == "ok"}
         mined = next((r["mined"] for r in here.values() if "mined" in r), None)
         ratio = lambda a, b: f"{ok[a] / ok[b]:.2f}x" if a in ok and b in ok else "-"  # noqa: E731
-        lines.append(f"| {shape_name(batch, ref)} | " + ("-" if mined is None else f"{100 * mined:.2g}%") + " | "
+        lines.append(f"| {shape_name(batch, ref)} | " + ("-" if mined is None else f"{100 * mined:.3g}%") + " | "
                      + " | ".join(cell(here[p]) for p in providers)
                      + "".join(f" | {ratio(a, b)}" for a, b in ratios) + " |")
     return "\n".join(lines)
