@@ -45,9 +45,11 @@ def cpu_saved_rows(batch, ref_rows, elem_size, self_case):
     return -(-(1 + batch + 1 + 2 * capacity) // batch) if worth_it else 0
 
 
-def _triangle_size(batch, block=256):
-    """Elements of the self case's triangle: strip t holds rows [t block, ...) from column t block on."""
-    return sum(min(block, batch - start) * (batch - start) for start in range(0, batch, block))
+def _triangle_size(batch):
+    """Elements of the self case's triangle: strip t holds rows [t h, ...) from column t h on, with
+    h = 128 up to B = 2048, else 256 (csrc/ms_loss_cpu.cpp, Triangle)."""
+    h = 128 if batch <= 2048 else 256
+    return sum(min(h, batch - start) * (batch - start) for start in range(0, batch, h))
 
 
 def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None):

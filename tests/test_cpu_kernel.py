@@ -279,9 +279,10 @@ def test_a_reused_buffer_gives_the_same_bits(monkeypatch, mode, case):
     assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
-@pytest.mark.parametrize("batch", [1, 2, 255, 256, 257, 600])
+@pytest.mark.parametrize("batch", [1, 2, 127, 128, 129, 600, 2048, 2049, 2300])
 def test_fake_kernel_knows_the_triangle(batch):
-    """The self case's saved triangle (strips of 256 rows) has the size the fake kernel predicts."""
+    """The self case's saved triangle (strips of 128 rows up to B = 2048, then 256) has the size the
+    fake kernel predicts."""
     x, labels = make_batch(batch, 5, 7, dtype=torch.float32, seed=batch)
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
                                                       2.0, 50.0, 0.5, 0.1, True, False)
