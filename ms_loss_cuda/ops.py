@@ -29,7 +29,7 @@ def _compute_dtype(x):
 def cpu_saved_rows(batch, ref_rows, elem_size, self_case):
     """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward
     (csrc/ms_loss_cpu.cpp, saved_layout): dense when they fit MS_LOSS_CPU_SAVED_MB (default 256;
-    B x R weights, or in the self case the strictly upper triangle in strips of 256 rows), else a
+    B x R weights, or in the self case the strictly upper triangle, see _triangle_size), else a
     sparse payload of that size when it holds at least 1 pair in 16, else none (the backward
     recomputes the similarities)."""
     budget = int(float(os.environ.get("MS_LOSS_CPU_SAVED_MB", "256")) * (1 << 20)) // elem_size
