@@ -13,8 +13,9 @@ high-water mark above the inputs (reset through /proc/self/clear_refs), timed wi
 best of --repeats (of more for short steps: as many as fit 1 s, at most 100). On CUDA everything
 runs in this process: peak memory is torch.cuda.max_memory_allocated above the inputs, time the
 median of --repeats runs between CUDA events after a warm-up (which also compiles), and TFLOP/s
-counts 4 GEMM-equivalents (4 * 2 * B * R * D flops) per step. --bank R1 R2 .. adds the memory-bank shape: --bank-batch anchors against R
-reference rows (gradient to the anchors only, as a memory bank takes none). A provider whose
+counts 4 GEMM-equivalents (4 * 2 * B * R * D flops) per step. --bank R1 R2 .. adds the memory-bank
+shape: --bank-batch anchors against R reference rows (gradient to the anchors only, as a memory
+bank takes none). A provider whose
 predicted peak (linear in B * R from its last size) would not fit in the free memory, or whose
 predicted time is over --max-seconds, is recorded as skipped.
 
