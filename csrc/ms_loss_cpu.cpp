@@ -507,14 +507,16 @@ MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
 // triangle of S is computed (strips of rows, each from its diagonal block on: half the
 // products) and reduced: each S_ij, i < j, once for both anchors, along the row for anchor i (a
 // horizontal reduction) and down the column for anchor j (elementwise, into per-strip column
-// partials that are combined in strip order: the same bits for any number of threads). Three
+// partials that are combined in strip order: the passes give the same bits for any number of
+// threads; the BLAS products, for a given number). Three
 // passes: extremes (minpos, maxneg), mined sums (LP, LN), then K_ij in place of S_ij (the diagonal
 // blocks' lower halves are zero). With one grad_output g for every counting anchor (the "mean" and
 // "sum" reductions) the backward is dx = g K x, one product over the triangle; otherwise it
 // recomputes.
 
-// Rows per strip of the reduction passes: at most 32 strips (their column partials stay small), a
-// number that depends on B alone (the combination order, hence the bits, does too).
+// Rows per strip of the reduction passes: 32 strips up to B = 8192 (their column partials stay
+// small), more beyond, where a strip stops at 256 rows. A number that depends on B alone: so does
+// the combination order, hence the passes' bits.
 int64_t reduction_strip_rows(int64_t B) { return std::clamp<int64_t>((B + 31) / 32, 16, kBlock); }
 
 // body(t) for each strip t in [0, strips), in parallel; strips t and strips - 1 - t go together (the

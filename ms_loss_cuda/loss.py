@@ -174,24 +174,35 @@ def unit_rows(t):
     return _UnitRows.apply(t)
 
 
+def _row_norms(t):
+    """max(|t_i|, 1e-12) per row, in float32 (float64 for float64)."""
+    return torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32)
+                                    ).clamp_min(1e-12)
+
+
 class _UnitRows(torch.autograd.Function):
     """y = t / max(|t|, 1e-12) row by row, with the analytic backward dt = (g - y (g . y)) / |t| (just
-    g / 1e-12 where the norm was clamped): two passes over [B, D], where autograd's chain through
-    the division and the norm makes six."""
+    g / 1e-12 where the norm was clamped): three passes over [B, D], where autograd's chain through
+    the division and the norm makes six. The backward is built from t with differentiable ops, so
+    second derivatives stay exact."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, t):
-        norm = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32))
-        norm = norm.clamp_min(1e-12)
-        y = t / norm.to(t.dtype)
-        ctx.save_for_backward(y, norm)
-        return y
+    def forward(t):
+        return t / _row_norms(t).to(t.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
 
     @staticmethod
     def backward(ctx, g):
-        y, norm = ctx.saved_tensors
-        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
-        return torch.addcmul(g, y, along.to(g.dtype), value=-1).div_(norm.to(g.dtype))
+        (t,) = ctx.saved_tensors
+        norm = _row_norms(t)
+        y = t / norm.to(t.dtype)
+        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill(norm <= 1e-12, 0)
+        return torch.addcmul(g, y, along.to(g.dtype), value=-1) / norm.to(g.dtype)
 
 
 def _nan_if_nonfinite(loss, *inputs):

@@ -168,6 +168,18 @@ def test_unit_rows_is_normalize_in_the_input_dtype(dtype):
     torch.testing.assert_close(a.grad, b.grad, **loose)
 
 
+def test_unit_rows_second_derivatives_and_vmap():
+    from ms_loss_cuda.loss import unit_rows
+
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(unit_rows, (x,))
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert torch.autograd.gradgradcheck(
+        lambda t: multi_similarity_loss(t, labels, backend="reference", mining=False), (x,))
+    batched = torch.randn(4, 6, 3, dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(unit_rows)(batched), torch.nn.functional.normalize(batched, dim=2))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a GPU")
 def test_16_bit_embeddings_stay_16_bit_under_autocast():
     from ms_loss_cuda.loss import unit_rows
