@@ -201,8 +201,8 @@ class _UnitRows(torch.autograd.Function):
         (t,) = ctx.saved_tensors
         norm = _row_norms(t)
         y = t / norm.to(t.dtype)
-        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill(norm <= 1e-12, 0)
-        return torch.addcmul(g, y, along.to(g.dtype), value=-1) / norm.to(g.dtype)
+        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
+        return torch.addcmul(g, y, along.to(g.dtype), value=-1).div_(norm.to(g.dtype))
 
 
 def _nan_if_nonfinite(loss, *inputs):
