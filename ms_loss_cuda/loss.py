@@ -183,8 +183,8 @@ def _row_norms(t):
 class _UnitRows(torch.autograd.Function):
     """y = t / max(|t|, 1e-12) row by row, with the analytic backward dt = (g - y (g . y)) / |t| (just
     g / 1e-12 where the norm was clamped): three passes over [B, D], where autograd's chain through
-    the division and the norm makes six. The backward is built from t with differentiable ops, so
-    second derivatives stay exact."""
+    the division and the norm makes six. The backward is built from t and y with differentiable ops,
+    so second derivatives stay exact."""
 
     generate_vmap_rule = True
 
@@ -194,13 +194,12 @@ class _UnitRows(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
+        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, g):
-        (t,) = ctx.saved_tensors
+        t, y = ctx.saved_tensors
         norm = _row_norms(t)
-        y = t / norm.to(t.dtype)
         along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
         return torch.addcmul(g, y, along.to(g.dtype), value=-1).div_(norm.to(g.dtype))
 
