@@ -519,14 +519,19 @@ MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
 // the combination order, hence the passes' bits.
 int64_t reduction_strip_rows(int64_t B) { return std::clamp<int64_t>((B + 31) / 32, 16, kBlock); }
 
-// body(t) for each strip t in [0, strips), in parallel; strips t and strips - 1 - t go together (the
-// triangle's rows shorten down the strips, a pair's work is about constant).
+// body(t, i) for every row i of every strip t (rows [t height, (t + 1) height) of B), strips in
+// parallel; strips t and strips - 1 - t go to the same task (the triangle's rows shorten down the
+// strips, a pair's work is about constant).
 template <typename Body>
-void for_each_strip_pair(int64_t strips, Body body) {
+void for_each_strip_row(int64_t B, int64_t height, Body body) {
+  const int64_t strips = (B + height - 1) / height;
+  const auto strip = [&](int64_t t) {
+    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) body(t, i);
+  };
   at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      body(t);
-      if (strips - 1 - t != t) body(strips - 1 - t);
+      strip(t);
+      if (strips - 1 - t != t) strip(strips - 1 - t);
     }
   });
 }
@@ -558,10 +563,9 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* Triangle */, T*
   T* maxneg = stats + B;
   std::fill(col_a.begin(), col_a.end(), ms_loss::infinity<T>());
   std::fill(col_b.begin(), col_b.end(), -ms_loss::infinity<T>());
-  for_each_strip_pair(strips, [&](int64_t t) {
-    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i)
-      extremes_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, minpos + i, maxneg + i,
-                   col_a.data() + t * B + i + 1, col_b.data() + t * B + i + 1);
+  for_each_strip_row(B, height, [&](int64_t t, int64_t i) {
+    extremes_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, minpos + i, maxneg + i,
+                 col_a.data() + t * B + i + 1, col_b.data() + t * B + i + 1);
   });
   combine_strips(minpos, col_a, [](T a, T b) { return std::min(a, b); });
   combine_strips(maxneg, col_b, [](T a, T b) { return std::max(a, b); });
@@ -587,12 +591,10 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* Triangle */, T*
   std::fill(col_b.begin(), col_b.end(), T(0));
   const auto sums_row = shared ? (p.mining ? mined_sums_row<T, true, true> : mined_sums_row<T, false, true>)
                                : (p.mining ? mined_sums_row<T, true, false> : mined_sums_row<T, false, false>);
-  for_each_strip_pair(strips, [&](int64_t t) {
-    for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
-      const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
-      sums_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a, shifted.data() + i + 1, B,
-               p, sums.data() + 2 * i, col_a.data() + t * B + i + 1, col_b.data() + t * B + i + 1);
-    }
+  for_each_strip_row(B, height, [&](int64_t t, int64_t i) {
+    const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
+    sums_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a, shifted.data() + i + 1, B,
+             p, sums.data() + 2 * i, col_a.data() + t * B + i + 1, col_b.data() + t * B + i + 1);
   });
   T* lp = stats + 2 * B;
   T* ln = stats + 3 * B;
@@ -615,24 +617,20 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* Triangle */, T*
       shifted[3 * B + i] = counts[i] * ms_loss::ms_exp(-ln[i]);
     }
     const auto weights_row = p.mining ? shared_weights_row<T, true> : shared_weights_row<T, false>;
-    for_each_strip_pair(strips, [&](int64_t t) {
-      for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
-        zero_below(i);
-        const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
-        nonzeros[t] += weights_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a,
-                                   shifted.data() + i + 1, B, p);
-      }
+    for_each_strip_row(B, height, [&](int64_t t, int64_t i) {
+      zero_below(i);
+      const T a[4] = {shifted[i], shifted[B + i], shifted[2 * B + i], shifted[3 * B + i]};
+      nonzeros[t] += weights_row(row_of(i), B - i - 1, labels[i], ids[i], labels + i + 1, ids + i + 1, a,
+                                 shifted.data() + i + 1, B, p);
     });
   } else {
     const auto weights_row = p.mining ? backward_row<T, true, true> : backward_row<T, false, true>;
-    for_each_strip_pair(strips, [&](int64_t t) {
-      for (int64_t i = t * height; i < std::min(B, (t + 1) * height); ++i) {
-        zero_below(i);
-        const AnchorStats<T> a{minpos[i], maxneg[i], lp[i], ln[i]};
-        const RefKeys rest{labels + i + 1, ids + i + 1, B - i - 1};
-        weights_row(row_of(i), labels[i], ids[i], rest, a, counts[i], stats + i + 1, B, counts.data() + i + 1, p);
-        nonzeros[t] += row_nonzeros(row_of(i), B - i - 1);
-      }
+    for_each_strip_row(B, height, [&](int64_t t, int64_t i) {
+      zero_below(i);
+      const AnchorStats<T> a{minpos[i], maxneg[i], lp[i], ln[i]};
+      const RefKeys rest{labels + i + 1, ids + i + 1, B - i - 1};
+      weights_row(row_of(i), labels[i], ids[i], rest, a, counts[i], stats + i + 1, B, counts.data() + i + 1, p);
+      nonzeros[t] += row_nonzeros(row_of(i), B - i - 1);
     });
   }
   int64_t total = 0;
@@ -798,11 +796,7 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_forward_cpu(
       if (overflow) return;
       counts.assign(rows, 0);
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          int64_t n = 0;
-          for (int64_t j = 0; j < R; ++j) n += s_ptr[r * R + j] != scalar_t(0);
-          counts[r] = n;
-        }
+        for (int64_t r = begin; r < end; ++r) counts[r] = row_nonzeros(s_ptr + r * R, R);
       });
       int64_t total = int64_t(offsets[i0]);
       for (int64_t r = 0; r < rows; ++r) total += counts[r];
@@ -857,22 +851,22 @@ std::tuple<at::Tensor, at::Tensor> ms_loss_backward_cpu(
     const int64_t* labels_ptr = in.labels.data_ptr<int64_t>();
     const int64_t* ids_ptr = in.ids.data_ptr<int64_t>();
     const scalar_t* st_ptr = st.data_ptr<scalar_t>();
-    // Per-anchor scale of the pair weights: grad_output of the anchor, 0 if it does not count.
+    // Per-anchor scale of the pair weights: grad_output of the anchor, 0 if it does not count; and
+    // whether every counting anchor has the same finite one, g.
     at::Tensor scale = grad_loss.to(in.x.scalar_type()).contiguous().clone();
     scalar_t* scale_ptr = scale.data_ptr<scalar_t>();
+    bool uniform = true, seen = false;
+    scalar_t g = 0;
     for (int64_t i = 0; i < B; ++i) {
-      if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) scale_ptr[i] = 0;
+      if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) {
+        scale_ptr[i] = 0;
+        continue;
+      }
+      if (!seen) g = scale_ptr[i], seen = true;
+      uniform = uniform && scale_ptr[i] == g && std::isfinite(g);
     }
     if (saved.mode == SavedMode::kSymmetric || saved.mode == SavedMode::kSymmetricGathers) {
-      // K holds the counting anchors' weights unscaled: dx = g K x when they share one finite g
-      bool uniform = true, seen = false;
-      scalar_t g = 0;
-      for (int64_t i = 0; i < B; ++i) {
-        if (!ms_loss::anchor_counts(st_ptr[i], st_ptr[B + i], p)) continue;
-        if (!seen) g = scale_ptr[i], seen = true;
-        uniform = uniform && scale_ptr[i] == g && std::isfinite(g);
-      }
-      if (uniform) {
+      if (uniform) {  // K holds the counting anchors' weights unscaled: dx = g K x
         if (saved.mode == SavedMode::kSymmetricGathers) {  // over the triangle and its transpose
           const scalar_t* K = saved.dense.data_ptr<scalar_t>();
           const Triangle triangle{B};
