@@ -8,7 +8,7 @@
 # bfloat16 and float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
 # 1024 x 1048576, D = 512; BENCH_DTYPES picks dtypes), profile (Nsight Compute on one float16 step
 # of each fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt
-# gets one line per step; the exit status is non-zero when a step failed.
+# gets one line per step; the exit status is non-zero when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
 DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench]}
@@ -27,7 +27,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_metric_learning" 2>
 fi
 
 run_step() {  # name, time limit (s), command...: log to DIR/name.log, one line to summary.txt
-  local name=$1 limit=$2 start=$SECONDS
+  local name=$1 limit=$(( $2 < ${STEP_LIMIT:-900} ? $2 : ${STEP_LIMIT:-900} )) start=$SECONDS
   shift 2
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
   local rc=$?
@@ -43,8 +43,14 @@ for step in $STEPS; do
   case $step in
   build)
     arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-    run_step build 900 env TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" \
-      $PY -m pip install -v --no-build-isolation --no-deps -e . ;;
+    # The system compiler, not the one Python's sysconfig names: on the GPU image that is a GCC that
+    # links libstdc++ statically into _C.so, whose private iostreams then crash on the first error
+    # message that prints a number.
+    run_step build 900 env TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" CC=gcc CXX=g++ LDSHARED="gcc -shared" \
+      LDCXXSHARED="g++ -shared" $PY -m pip install -v --no-build-isolation --no-deps -e .
+    if nm -DC --defined-only ms_loss_cuda/_C*.so | grep -q "std::basic_ostream"; then
+      echo "build: _C.so carries its own libstdc++ (linked statically)" | tee -a "$DIR/summary.txt"; failed=1
+    fi ;;
   tests)
     xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
     run_step tests 900 $PY -m pytest -q -rs $xdist tests --ignore=tests/test_triton_compile.py \

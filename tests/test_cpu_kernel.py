@@ -10,6 +10,15 @@ from conftest import build_case, check_against_reference, loss_and_grads, make_b
 
 pytestmark = pytest.mark.skipif(ops.LOAD_ERROR is not None, reason=f"extension not built: {ops.LOAD_ERROR}")
 
+def test_the_op_names_the_shapes_it_refuses():
+    """A direct call with labels of the wrong length gets an error that prints both shapes. Printing a
+    number from the extension crashed the process when _C.so carried its own statically linked
+    libstdc++ (a build by the GPU image's /opt/gcc, 2026-11-22): its iostreams were never set up."""
+    x, labels = make_batch(16, 8, 3, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"got \[16, 8\] and \[15\]"):
+        ops.forward_op(x, labels[:-1], None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("mining", [True, False])
