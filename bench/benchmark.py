@@ -307,6 +307,9 @@ def main():
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--hardness", default="typical", choices=tuple(HARDNESS))
+    parser.add_argument("--tf32", action="store_true",
+                        help="torch.set_float32_matmul_precision('high'): float32 products on TF32 tensor cores, "
+                             "in cuBLAS (matmul4, reference, pml) and in the triton backend alike")
     parser.add_argument("--no-mining", action="store_true", help="every pair, no miner (the 'mining off' level)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: " + "; ".join(f"{d}: {' '.join(p)}" for d, p in DEFAULT_PROVIDERS.items()))
@@ -327,7 +330,10 @@ def main():
 
     from ms_loss_cuda import reference
 
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     info = machine_info()
+    info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     print(f"machine: {info}", flush=True)
     rows, last = [], {}
     for batch, ref_rows in shapes:

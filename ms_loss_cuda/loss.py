@@ -208,11 +208,10 @@ def _nan_if_nonfinite(loss, *inputs):
     """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on
     each tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's
     size (torch.isfinite(t).all() took 10x longer)."""
-    finite = torch.ones((), dtype=torch.bool, device=loss.device)
-    for t in inputs:
-        if t is not None and t.numel() > 0:
-            finite = finite & torch.isfinite(torch.stack(torch.aminmax(t))).all()
-    return torch.where(finite, loss, torch.nan)
+    extremes = [v for t in inputs if t is not None and t.numel() > 0 for v in torch.aminmax(t)]
+    if not extremes:
+        return loss
+    return torch.where(torch.isfinite(torch.stack(extremes)).all(), loss, torch.nan)
 
 
 def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
@@ -222,8 +221,16 @@ def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
             x, labels, ref, ref_labels, ids, ref_ids, reduction="none", **options
         )
     hyper_parameters = [options[name] for name in ops.HYPER_PARAMETERS]
-    forward = _triton_kernels().triton_forward if backend == "triton" else ops.forward_op
-    return forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+    if backend != "triton":
+        return ops.forward_op(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+    # the Triton kernels compare int32 ranks of the keys: made once here, not in each op
+    kernels = _triton_kernels()
+    labels, ranked = kernels.int32_keys(labels, labels if ref is None else ref_labels)
+    ref_labels = None if ref is None else ranked
+    if ids is not None:
+        ids, ranked = kernels.int32_keys(ids, ids if ref_ids is None else ref_ids)
+        ref_ids = None if ref_ids is None else ranked
+    return kernels.triton_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
 
 
 def multi_similarity_loss(

@@ -272,6 +272,42 @@ def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
 
 
 @triton.jit
+def _scales_kernel(grad_ptr, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_lift_ptr, num_anchors, alpha, beta,
+                   base, epsilon, max_lift, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                   COLUMN_LIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per anchor: its gradient scale grad_i / norm (norm = max |grad| clamped at 1e-30, so |scale| <= 1)
+    and the lift of its row of pair weights, the power of 2 in [1, min(2^64, max_lift)] that takes
+    |scale_i| times the row's largest weight into (1/2, 1]. Weights enter the backward's product in
+    the input dtype, and a large reference set without mining (weights about 1/R, subnormal in
+    float16 beyond R = 16k) or a small grad_output would lose their precision without it. The
+    largest weight is bounded from the stats in the log domain, each set only when it is not empty:
+    exp(-alpha (minpos - base) - LP) for the mined positives, exp(beta (maxneg - base) - LN) for the
+    mined negatives; no overflow, no NaN. An anchor without weights (or that does not count) gets the
+    largest lift. COLUMN_LIFT: also the one lift of a reference set's rows, which hold every anchor's
+    weights: the smallest anchor lift, at most LIFT_WITH_COLUMN_ANCHORS (an atomic minimum into
+    column_lift_ptr, which starts there: the same result in any order)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num_anchors
+    scale = tl.load(grad_ptr + i, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
+    minpos = tl.load(stats_ptr + i, mask=ok, other=INF)
+    maxneg = tl.load(stats_ptr + num_anchors + i, mask=ok, other=-INF)
+    lp = tl.load(stats_ptr + 2 * num_anchors + i, mask=ok, other=0.0)
+    ln = tl.load(stats_ptr + 3 * num_anchors + i, mask=ok, other=0.0)
+    has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
+    largest = tl.maximum(tl.where(has_positive, -alpha * (minpos - base) - lp, -INF),
+                         tl.where(has_negative, beta * (maxneg - base) - ln, -INF))
+    counted = tl.where(_anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE), tl.abs(scale), 0.0)
+    bound = tl.log2(tl.where(counted > 0, counted, 1.0)) + largest * 1.4426950408889634  # (1 / ln 2)
+    exponent = tl.where(counted > 0, tl.floor(-bound), 64.0)
+    exponent = tl.where(exponent == exponent, tl.minimum(tl.maximum(exponent, 0.0), 64.0), 64.0)  # NaN: 64
+    lift = tl.minimum(tl.exp2(exponent), max_lift)
+    tl.store(scale_ptr + i, scale, mask=ok)
+    tl.store(lift_ptr + i, lift, mask=ok)
+    if COLUMN_LIFT:
+        tl.atomic_min(column_lift_ptr, tl.min(tl.where(ok, lift, INF), axis=0))
+
+
+@triton.jit
 def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                  stats_ptr, scale_ptr, norm_ptr, row_scale_ptr, out_ptr,
                  num_a, num_b, num_anchors, dim, cols_per_split, alpha, beta, base, epsilon,
@@ -281,7 +317,7 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
     (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS).
-    Row r of H enters the product times row_scale[r] (a power of 2, see row_scales) and leaves it
+    Row r of H enters the product times row_scale[r] (a power of 2, see _scales_kernel) and leaves it
     divided by it."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
@@ -290,7 +326,10 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     if A_ANCHORS:
         minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
-    row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
+    if A_ANCHORS:
+        row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
+    else:  # a reference set's rows: one lift for all (_scales_kernel)
+        row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(row_scale_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     begin, end = _column_range(num_b, cols_per_split, 2)
     for start in range(begin, end, BLOCK_N):
@@ -395,9 +434,10 @@ def _aligned_rows(t, dtype):
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
-def _int32_keys(a, b):
+def int32_keys(a, b):
     """Keys of both ends as int32 tensors that are equal exactly where a's and b's values are: each
-    value's rank among all of them (a sort, no device sync). int32 halves the integer work per pair."""
+    value's rank among all of them (a sort, no device sync). int32 halves the integer work per pair.
+    The loss ranks them once before the ops (ms_loss_cuda/loss.py), so neither op sorts again."""
     if a.dtype == torch.int32 and b.dtype == torch.int32:
         return a.contiguous(), b.contiguous()
     both = a.to(torch.int64).contiguous() if a is b else torch.cat([a.to(torch.int64), b.to(torch.int64)])
@@ -406,7 +446,7 @@ def _int32_keys(a, b):
 
 
 def _operands(x, labels, ids, ref, ref_labels, ref_ids):
-    """Aligned rows of one dtype and int32 keys of both ends (`_int32_keys`); default identities
+    """Aligned rows of one dtype and int32 keys of both ends (`int32_keys`); default identities
     never collide across ends (self case: the row index, so the diagonal is skipped)."""
     # the public API's checks, again for direct calls of the op: a wrong length would read out of
     # bounds, a tensor on another device hand the kernel a foreign pointer
@@ -420,8 +460,8 @@ def _operands(x, labels, ids, ref, ref_labels, ref_ids):
         ref, ref_labels, ref_ids = x, labels, ids
     elif ref_ids is None:
         ref_ids = torch.arange(batch, batch + ref.shape[0], device=x.device, dtype=torch.int32)
-    labels, ref_labels = _int32_keys(labels, ref_labels)
-    ids, ref_ids = _int32_keys(ids, ref_ids)
+    labels, ref_labels = int32_keys(labels, ref_labels)
+    ids, ref_ids = int32_keys(ids, ref_ids)
     return (x, ref, labels, ids, ref_labels, ref_ids)
 
 
@@ -448,28 +488,6 @@ def _multiprocessors(device, interpret):
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
 
 
-def row_scales(stats, scale, alpha, beta, base, epsilon, mining, skip_incomplete_anchors):
-    """[B] powers of 2 >= 1 per anchor: scale_i * (the largest pair weight anchor i has, bounded from
-    its stats: exp(-alpha (minpos - base) - LP) for its mined positives, exp(beta (maxneg - base) - LN)
-    for its mined negatives) times the factor lies in (1/2, 1]. A large reference set without mining
-    has pair weights of about 1/R, subnormal in float16 beyond R = 16k, and a small grad_output
-    shrinks them further: the factor lifts each row back into full precision. Computed in the log
-    domain, each term only for a non-empty set: no overflow, no NaN; an anchor without weights (or
-    that does not count) gets the largest lift, 2^64. A row that also holds the weights of column
-    anchors (the self case, the reference set's gradient) is lifted at most LIFT_WITH_COLUMN_ANCHORS,
-    so that it stays far below float16's 65504."""
-    minpos, maxneg, lp, ln = stats.float()
-    has_positive, has_negative = minpos < float("inf"), maxneg > float("-inf")
-    if mining:
-        has_positive, has_negative = has_positive & (minpos - epsilon < maxneg), has_negative & (maxneg + epsilon > minpos)
-    largest = torch.maximum(torch.where(has_positive, -alpha * (minpos - base) - lp, float("-inf")),
-                            torch.where(has_negative, beta * (maxneg - base) - ln, float("-inf")))
-    counts = has_positive & has_negative if skip_incomplete_anchors else torch.ones_like(has_positive)
-    log2_bound = torch.log2(torch.where(counts, scale.abs(), 0.0)) + largest / math.log(2.0)
-    exponent = torch.nan_to_num(torch.floor(-log2_bound), nan=64.0, posinf=64.0, neginf=0.0).clamp(0, 64)
-    return torch.exp2(exponent).contiguous()
-
-
 def column_splits(row_programs, num_cols, block_n, multiprocessors):
     """(splits, columns per split): the columns are split over enough programs that a launch has at
     least two per multiprocessor (a memory bank of B = 1024 has only 8 row blocks), each split a
@@ -494,7 +512,8 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
         lasts = torch.clamp(starts + block_m - 1, max=row_keys.shape[0] - 1)
         ranges = torch.stack([torch.searchsorted(row_sorted, row_sorted[starts]),
                               torch.searchsorted(row_sorted, row_sorted[lasts], right=True)], 1)
-        return row_order.to(torch.int32), row_order.to(torch.int32), ranges.to(torch.int32).contiguous()
+        row_order = row_order.to(torch.int32)
+        return row_order, row_order, ranges.to(torch.int32).contiguous()
     col_sorted, col_order = torch.sort(col_keys, stable=True)
     lo = torch.searchsorted(col_sorted, row_sorted)
     hi = torch.searchsorted(col_sorted, row_sorted, right=True)
@@ -556,11 +575,18 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     # Pair weights enter the second product in the input dtype: scaled to |.| <= 1 (grad/B under
-    # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (row_scales).
-    scale = grad_loss.to(torch.float32).contiguous()
-    norm = scale.abs().amax(dim=0, keepdim=True).clamp_min(1e-30) if num_x else scale.new_ones(1)
-    scale = scale / norm
-    anchor_scale = row_scales(stats, scale, alpha, beta, base, epsilon, mining, skip_incomplete_anchors)
+    # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (_scales_kernel).
+    norm = torch.linalg.vector_norm(grad_loss, float("inf"), dtype=torch.float32).clamp_min_(1e-30).reshape(1)
+    scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
+    anchor_scale = torch.empty_like(scale)
+    column_lift = torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
+    block = 1024
+    scales = Launch(_scales_kernel, (triton.cdiv(num_x, block),),
+                    dict(grad_ptr=grad_loss.contiguous(), stats_ptr=stats.contiguous(), norm_ptr=norm, scale_ptr=scale,
+                         lift_ptr=anchor_scale, column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta,
+                         base=base, epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
+                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=ref is not None and ref_grad,
+                         BLOCK=block), 4, 1)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
@@ -569,32 +595,25 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
 
     def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
-        # rows that are anchors: their own scale; the rows of a reference set: the anchors' smallest
-        if not a_anchors:  # a reference set's rows hold every anchor's weights: the smallest lift
-            row_scale = (anchor_scale.amin(dim=0, keepdim=True) if num_x else anchor_scale.new_ones(1))
-            row_scale = row_scale.expand(rows.shape[0])
-        else:
-            row_scale = anchor_scale
-        if b_anchors:
-            row_scale = row_scale.clamp(max=LIFT_WITH_COLUMN_ANCHORS)
         row_programs = triton.cdiv(rows.shape[0], config["BLOCK_M"])
         splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
                                                multiprocessors)
         out = torch.empty_like(rows) if splits == 1 else rows.new_empty((splits, *rows.shape), dtype=torch.float32)
         args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
-                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, row_scale_ptr=row_scale.contiguous(),
+                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out,
+                    row_scale_ptr=anchor_scale if a_anchors else column_lift,  # (a reference set's rows: one lift)
                     num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split, **shared)
         return out, Launch(_grad_kernel, (row_programs, grid_d, splits), args,
                            dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors), warps, stages)
 
     if ref is None:  # row block I builds G_IJ + G_JI^T itself
         grad_x, launch = grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), True, True)
-        return grad_x, x.new_empty((0,)), [launch]
+        return grad_x, x.new_empty((0,)), [scales, launch]
     grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False)
     if not ref_grad:  # a memory bank: no gradient for it, and no launch
-        return grad_x, x.new_empty((0,)), [launch_x]
+        return grad_x, x.new_empty((0,)), [scales, launch_x]
     grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
-    return grad_x, grad_ref, [launch_x, launch_ref]
+    return grad_x, grad_ref, [scales, launch_x, launch_ref]
 
 
 def plan_cost(launches, num_x, num_ref, dim):
