@@ -5,15 +5,17 @@
 # tensors, without the static compile checks and the CPU emulation of CUDA, which need no GPU),
 # sanitize (compute-sanitizer memcheck, racecheck, synccheck on small cases of every kernel),
 # tune (bench/tune_triton.py: the Triton tile sweep), bench (bench/benchmark.py for float16,
-# bfloat16 and float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
-# 1024 x 1048576, D = 512; BENCH_DTYPES picks dtypes), profile (Nsight Compute on one float16 step
-# of each fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt
+# bfloat16, float32 and float32 under TF32: self case B = 4096, 16384, 65536 and the memory bank
+# 1024 x 262144 and 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32
+# float32-tf32"), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each
+# fused backend, against the step's wall time), profile (Nsight Compute on one float16 step of each
+# fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt
 # gets one line per step; the exit status is non-zero when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
-DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench]}
+DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench kernels profile]}
 shift
-STEPS=${*:-build tests sanitize tune bench}  # profile: on request
+STEPS=${*:-build tests sanitize tune bench kernels}  # profile: on request
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)  # (relative to the caller's directory)
 cd "$(dirname "$0")/.."
@@ -21,6 +23,11 @@ cd "$(dirname "$0")/.."
 failed=0
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+# The system compiler for every C++ build (the extension, and torch's JIT builds such as the tests'
+# CUDA emulation), not the one Python's sysconfig names: on the GPU image (2026-11-22) that is a GCC
+# in /opt/gcc that links libstdc++ statically into the module, whose private iostreams then crash
+# the process on the first error message that prints a number.
+export CC=gcc CXX=g++ LDSHARED="gcc -shared" LDCXXSHARED="g++ -shared"
 if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_metric_learning" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/ms_loss_site .whl/*.whl
   export PYTHONPATH=/tmp/ms_loss_site${PYTHONPATH:+:$PYTHONPATH}
@@ -43,11 +50,8 @@ for step in $STEPS; do
   case $step in
   build)
     arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-    # The system compiler, not the one Python's sysconfig names: on the GPU image that is a GCC that
-    # links libstdc++ statically into _C.so, whose private iostreams then crash on the first error
-    # message that prints a number.
-    run_step build 900 env TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" CC=gcc CXX=g++ LDSHARED="gcc -shared" \
-      LDCXXSHARED="g++ -shared" $PY -m pip install -v --no-build-isolation --no-deps -e .
+    run_step build 900 env TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" \
+      $PY -m pip install -v --no-build-isolation --no-deps -e .
     if nm -DC --defined-only ms_loss_cuda/_C*.so | grep -q "std::basic_ostream"; then
       echo "build: _C.so carries its own libstdc++ (linked statically)" | tee -a "$DIR/summary.txt"; failed=1
     fi ;;
@@ -66,10 +70,14 @@ for step in $STEPS; do
   tune)
     run_step tune 900 $PY bench/tune_triton.py --out "$DIR/tune.json" ;;
   bench)
-    for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
-      run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype $dtype --sizes 4096 16384 65536 \
-        --bank 262144 1048576 --max-seconds 10 --out "$DIR/bench-$dtype"
+    for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32 float32-tf32}; do
+      run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
+        $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
+        --max-seconds 10 --out "$DIR/bench-$dtype"
     done ;;
+  kernels)
+    run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
+      --providers triton cuda ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \

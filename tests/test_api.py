@@ -141,9 +141,10 @@ def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):
     cuda = torch.device("cuda")
     assert api._resolve_backend("auto", cuda, torch.float16) == "triton"
     assert api._resolve_backend("auto", cuda, torch.bfloat16) == "triton"
-    assert api._resolve_backend("auto", cuda, torch.float32) == "cuda"
+    assert api._resolve_backend("auto", cuda, torch.float32) == "triton"
     reasons["triton"] = "no triton"
     assert api._resolve_backend("auto", cuda, torch.float16) == "cuda"
+    assert api._resolve_backend("auto", cuda, torch.float32) == "cuda"
     reasons.update(cuda="not built", triton=None)
     assert api._resolve_backend("auto", cuda, torch.float32) == "triton"
     reasons.update(triton="no triton")

@@ -88,7 +88,7 @@ def test_large_classes_cost_more_but_stay_bounded():
 @pytest.mark.parametrize("batch,ref_rows", [(4096, None), (256, 65536), (1024, 1048576)])
 def test_launches_fill_an_h100(batch, ref_rows):
     """Every launch that walks all columns has at least two programs per multiprocessor (columns
-    split where the row blocks are too few), with no float atomics: split partials are combined in
+    split where the row blocks are too few), with no atomic additions: split partials are combined in
     a fixed order afterwards."""
     cost = _cost(batch, 512, "float16", ref_rows=ref_rows)
     walking = {k: v for k, v in cost["programs"].items() if k.startswith(("_negatives", "_grad"))}

@@ -155,6 +155,20 @@ def test_empty_reference_set_gives_zero(target):
     assert loss.item() == 0 and grad_x.abs().sum() == 0 and grad_ref.shape == (0, 3)
 
 
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_an_empty_batch_gives_zero(target, with_ref):
+    """B = 0 (a process whose share of a gathered batch is empty, say): loss 0, an empty gradient for
+    the batch and a zero one for the reference set."""
+    kwargs = dict(embeddings=torch.zeros(0, 3), labels=torch.zeros(0, dtype=torch.long))
+    if with_ref:
+        ref, ref_labels = make_batch(5, 3, 2, dtype=torch.float32)
+        kwargs.update(ref_embeddings=ref, ref_labels=ref_labels)
+    loss, grads = loss_and_grads(to(kwargs, target.device), target.backend, torch.ones_like, reduction="sum")
+    assert loss.item() == 0 and grads[0].shape == (0, 3)
+    if with_ref:
+        assert grads[1].shape == (5, 3) and grads[1].abs().sum() == 0
+
+
 def test_backward_is_bitwise_deterministic(target):
     for kwargs in (build_case("self", 300, 64, torch.float32, seed=8), build_case("ref_ids", 300, 64, torch.float32)):
         kwargs = to(kwargs, target.device)

@@ -29,7 +29,8 @@ def describe(record):
 
 def test_every_kernel_compiles_for_both_targets(records):
     kernels = {r["kernel"] for r in records}
-    assert kernels == {"_minpos_kernel", "_negatives_kernel", "_finish_kernel", "_scales_kernel",
+    assert kernels == {"_minpos_kernel", "_negatives_kernel", "_finish_kernel", "_scales_kernel[column_lift=False]",
+                       "_scales_kernel[column_lift=True]",
                        "_grad_kernel[rows=True,cols=True]", "_grad_kernel[rows=True,cols=False]",
                        "_grad_kernel[rows=False,cols=True]"}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
@@ -38,7 +39,7 @@ def test_every_kernel_compiles_for_both_targets(records):
 
 
 def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
-    products = [r for r in records if r["dtype"] != "float32" and r["kernel"] not in ("_finish_kernel", "_scales_kernel")]
+    products = [r for r in records if r["dtype"] != "float32" and r["kernel"] != "_finish_kernel" and not r["kernel"].startswith("_scales_kernel")]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

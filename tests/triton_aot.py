@@ -46,6 +46,7 @@ def launches(dtype_name, dim, mining, skip):
         for launch in forward + backward:
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
+            name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
             found.setdefault(name, launch)  # the forward kernels are the same in both cases
     return found
 

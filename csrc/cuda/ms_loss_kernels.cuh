@@ -520,7 +520,7 @@ void launch_backward(const at::Tensor& a, const at::Tensor& a_labels, const at::
 // grad_output shrinks them further: the factor lifts each row back into full precision. In the log
 // domain (no overflow, no NaN); an anchor without weights gets 2^64. A row that also holds the
 // weights of column anchors (each <= 1) is lifted at most kLiftWithColumnAnchors, far below 65504.
-// (The same rule as row_scales in triton_kernels/ms_loss.py.)
+// (The same rule as _scales_kernel in triton_kernels/ms_loss.py.)
 constexpr double kLiftWithColumnAnchors = 16384.0;
 inline at::Tensor row_scales(const at::Tensor& stats, const at::Tensor& scale, const Params<float>& p) {
   const at::Tensor minpos = stats[0], maxneg = stats[1];
