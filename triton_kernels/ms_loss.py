@@ -29,7 +29,6 @@ timings in bench/results/gpu/. Without a GPU: the same suite under TRITON_INTERP
 of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
-import math
 import os
 from typing import NamedTuple, Optional
 
@@ -324,7 +323,6 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     if A_ANCHORS:
         minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
-    if A_ANCHORS:
         row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
     else:  # a reference set's rows: one lift for all (_scales_kernel)
         row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(row_scale_ptr)
@@ -572,6 +570,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
+    stats = stats.contiguous()
     # Pair weights enter the second product in the input dtype: scaled to |.| <= 1 (grad/B under
     # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (_scales_kernel).
     norm = (torch.linalg.vector_norm(grad_loss.to(torch.float32), float("inf")).clamp_min_(1e-30).reshape(1)
@@ -581,7 +580,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     column_lift = torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
     block = 1024
     scales = Launch(_scales_kernel, (triton.cdiv(num_x, block),),
-                    dict(grad_ptr=grad_loss.contiguous(), stats_ptr=stats.contiguous(), norm_ptr=norm, scale_ptr=scale,
+                    dict(grad_ptr=grad_loss.contiguous(), stats_ptr=stats, norm_ptr=norm, scale_ptr=scale,
                          lift_ptr=anchor_scale, column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta,
                          base=base, epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=ref is not None and ref_grad,
@@ -589,7 +588,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
-    shared = dict(stats_ptr=stats.contiguous(), scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
+    shared = dict(stats_ptr=stats, scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
                   alpha=alpha, beta=beta, base=base, epsilon=epsilon)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
 
