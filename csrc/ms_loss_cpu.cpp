@@ -504,15 +504,14 @@ MS_CPU_CLONES int64_t row_nonzeros(const T* row, int64_t cols) {
 
 // ---- the self case with its weights kept: K = G + G^T, once per pair -------------------------
 // S and K (with G's rows of non-counting anchors zeroed) are symmetric, so only the strictly upper
-// triangle of S is computed (strips of rows, each from its diagonal block on: half the
-// products) and reduced: each S_ij, i < j, once for both anchors, along the row for anchor i (a
-// horizontal reduction) and down the column for anchor j (elementwise, into per-strip column
-// partials that are combined in strip order: the passes give the same bits for any number of
-// threads; the BLAS products, for a given number). Three
-// passes: extremes (minpos, maxneg), mined sums (LP, LN), then K_ij in place of S_ij (the diagonal
-// blocks' lower halves are zero). With one grad_output g for every counting anchor (the "mean" and
-// "sum" reductions) the backward is dx = g K x, one product over the triangle; otherwise it
-// recomputes.
+// triangle of S is computed (strips of rows, each from its diagonal block on: half the products)
+// and reduced: each S_ij, i < j, once for both anchors, along the row for anchor i (a horizontal
+// reduction) and down the column for anchor j (elementwise, into per-strip column partials that are
+// combined in strip order: the passes give the same bits for any number of threads; the BLAS
+// products, for a given number). Three passes: extremes (minpos, maxneg), mined sums (LP, LN), then
+// K_ij in place of S_ij (the diagonal blocks' lower halves are zero). With one grad_output g for
+// every counting anchor (the "mean" and "sum" reductions) the backward is dx = g K x, one product
+// over the triangle; otherwise it recomputes.
 
 // Rows per strip of the reduction passes: 32 strips up to B = 8192 (their column partials stay
 // small), more beyond, where a strip stops at 256 rows. A number that depends on B alone: so does

@@ -39,7 +39,8 @@ def test_every_kernel_compiles_for_both_targets(records):
 
 
 def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
-    products = [r for r in records if r["dtype"] != "float32" and r["kernel"] != "_finish_kernel" and not r["kernel"].startswith("_scales_kernel")]
+    products = [r for r in records if r["dtype"] != "float32"  # (the finish and scales kernels have no product)
+                and r["kernel"] != "_finish_kernel" and not r["kernel"].startswith("_scales_kernel")]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

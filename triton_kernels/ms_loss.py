@@ -583,8 +583,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                     dict(grad_ptr=grad_loss.contiguous(), stats_ptr=stats, norm_ptr=norm, scale_ptr=scale,
                          lift_ptr=anchor_scale, column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta,
                          base=base, epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
-                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=ref is not None and ref_grad,
-                         BLOCK=block), 4, 1)
+                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors,
+                         COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)

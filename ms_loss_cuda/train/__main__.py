@@ -9,8 +9,8 @@ steps and writes OUT/metrics.json, OUT/metrics.csv, OUT/recall.png and OUT/check
 """
 import argparse
 import contextlib
-import datetime
 import csv
+import datetime
 import json
 import math
 import os
