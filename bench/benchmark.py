@@ -3,7 +3,9 @@
 Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact method avoids),
 `matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
 four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
-`cuda`, and `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
+`cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
+per step; CUDA only, and only where the step has no host sync, as in the self case), and `pml`
+(pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
 over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),
@@ -33,9 +35,10 @@ import subprocess
 import sys
 import time
 
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", "triton", "cuda", "pml")
-FUSED = ("cpu", "triton", "cuda")
-DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"), "cuda": ("matmul4", "reference", "triton", "cuda", "pml")}
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", "triton", "triton-graph", "cuda", "pml")
+FUSED = ("cpu", "triton", "triton-graph", "cuda")
+DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"),
+                     "cuda": ("matmul4", "reference", "triton", "triton-graph", "cuda", "pml")}
 HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
 PER_CLASS = 4
 
@@ -80,8 +83,38 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
         return lambda x: loss(x, labels, miner(x, labels, ref, ref_labels), ref, ref_labels).backward()
     import ms_loss_cuda
 
+    if provider == "triton-graph":
+        return graphed(step_function("triton", labels, ref, ref_labels, mining))
     return lambda x: ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
                                                         mining=mining, backend=provider).backward()
+
+
+def graphed(step):
+    """`step`, captured in a CUDA graph on its first call (after warm-up runs on a side stream, as
+    torch.cuda.graphs asks) and replayed afterwards: what a training loop gets from
+    torch.cuda.make_graphed_callables or torch.compile(mode="reduce-overhead"). Each replay writes
+    x.grad in the graph's own memory."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    captured = []
+
+    def run(x):
+        if not captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    x.grad = None
+                    step(x)
+            torch.cuda.current_stream().wait_stream(side)
+            x.grad = None
+            with torch.cuda.graph(graph):
+                step(x)
+            captured.append(True)
+        graph.replay()
+
+    return run
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -348,6 +381,8 @@ def main():
                    "dtype": args.dtype, "hardness": "mining off" if args.no_mining else args.hardness,
                    "mined": mined}
             skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
+            if provider == "triton-graph" and ref_rows is not None:  # (the positive list's length is read back)
+                skip = "skipped: the reference-set step syncs with the host once"
             print(f"[{shape_name(batch, ref_rows):>14}] {provider:<9} ", end="", flush=True)
             if skip:
                 row["status"] = skip

@@ -82,8 +82,8 @@ for step in $STEPS; do
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \
         --kernel-name regex:"_minpos_kernel|_negatives_kernel|_finish_kernel|_grad_kernel|forward_kernel|backward_kernel" \
-        --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --section WarpStateStats $PY -c "
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section SchedulerStats --section WarpStateStats $PY -c "
 import torch, ms_loss_cuda
 x = torch.randn(16384, 512, device='cuda', dtype=torch.float16).requires_grad_()
 labels = torch.arange(16384, device='cuda') // 4

@@ -1,7 +1,9 @@
 """A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
 each candidate's forward (mining + log-sum-exp launches) and backward launches are timed separately
-(median of CUDA-event timings) on the self case B = 16384, D = 512, for each dtype, and on the
-memory-bank shape 1024 x 262144 for the first dtype. The winners go into tile_config by hand, so that no user pays for tuning.
+(median of CUDA-event timings), and their result (stats, or grad_x) is compared with the shipped
+entry's, on the self case B = 16384, D = 512, for each dtype, and on the memory-bank shape
+1024 x 262144 for the first dtype. The winners go into tile_config by hand, so that no user pays for
+tuning.
     python bench/tune_triton.py --out tune.json
 """
 import argparse
@@ -16,14 +18,14 @@ import ms_loss_cuda.triton_kernels.ms_loss as tk
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the forward kernels, and with BLOCK_D for the
 # backward: candidates around the table; the shipped entry (tile_config at D = 512) is put first.
 FORWARD = {
-    "16-bit": [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
-               (128, 128, 32, 8, 4), (64, 128, 64, 4, 3), (128, 64, 32, 4, 4), (256, 64, 64, 8, 3)],
+    "16-bit": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+               (128, 128, 32, 8, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 2), (256, 64, 64, 8, 3)],
     "float32": [(64, 32, 32, 8, 1), (64, 64, 32, 8, 2), (128, 64, 32, 8, 2), (64, 64, 16, 4, 2), (128, 32, 32, 8, 1),
                 (64, 32, 32, 4, 2)],
 }
 BACKWARD = {
-    "16-bit": [(64, 32, 64, 512, 8, 2), (64, 64, 64, 256, 8, 3), (64, 32, 64, 256, 8, 3), (64, 32, 64, 512, 8, 3),
-               (64, 32, 32, 512, 8, 3), (128, 32, 64, 256, 8, 3), (64, 64, 64, 512, 8, 2), (128, 64, 32, 256, 8, 2)],
+    "16-bit": [(64, 32, 64, 512, 8, 3), (64, 64, 64, 512, 8, 2), (64, 64, 64, 256, 8, 3), (64, 64, 32, 512, 8, 2),
+               (64, 64, 64, 512, 8, 3), (64, 128, 64, 512, 8, 2), (64, 64, 128, 512, 8, 2), (64, 32, 64, 512, 8, 2)],
     "float32": [(64, 16, 32, 64, 4, 1), (64, 32, 32, 64, 4, 2), (64, 32, 32, 128, 8, 2), (128, 32, 32, 64, 8, 1),
                 (64, 16, 32, 128, 8, 1), (32, 32, 32, 64, 4, 2)],
 }
@@ -35,8 +37,8 @@ def override(kind, values):
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if kind == "forward" else \
         ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_D", "num_warps", "num_stages")
 
-    def config(k, dtype, dim, interpret=False):
-        shipped = SHIPPED(k, dtype, dim, interpret)
+    def config(k, dtype, dim, interpret=False, capability=(9, 0)):
+        shipped = SHIPPED(k, dtype, dim, interpret, capability)
         return dict(shipped, **dict(zip(names, values))) if k == kind else shipped
 
     return config
@@ -87,11 +89,12 @@ def main():
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
                 if kind not in args.kinds:
                     continue
-                shipped = SHIPPED(kind, dtype, 512, False)
+                shipped = SHIPPED(kind, dtype, 512, False, torch.cuda.get_device_capability())
                 names = ("BLOCK_M", "BLOCK_N", "BLOCK_K") + (("BLOCK_D",) if kind == "backward" else ()) + \
                     ("num_warps", "num_stages")
                 first = tuple(shipped[n] for n in names)
                 candidates = [first] + [c for c in candidates if c != first]
+                expected = None  # the shipped entry's result: every candidate must compute the same
                 for values in candidates[:args.candidates]:
                     tk.tile_config = override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, kind=kind, config=values)
@@ -100,12 +103,17 @@ def main():
                         _, stats, forward = tk.forward_plan(*operands, *hyper)
                         if kind == "forward":
                             record["ms"] = timed(forward)
+                            result = stats
                         else:
                             for launch in forward:
                                 launch()
-                            *_, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands, *hyper)
+                            grad_x, _, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands,
+                                                                   *hyper)
                             record["ms"] = timed(backward)
+                            result = grad_x.float().sum(0) if grad_x.dim() == 3 else grad_x.float()
                         record["wall_s"] = time.perf_counter() - start
+                        expected = result if expected is None else expected
+                        record["rel_diff"] = float((result - expected).norm() / expected.norm())
                     except Exception as error:  # noqa: BLE001  (out of resources: recorded, the sweep goes on)
                         record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
                     tk.tile_config = SHIPPED
@@ -122,7 +130,7 @@ def main():
                 if mine:
                     best = min(mine, key=lambda r: r["ms"])
                     print(f"{name:9} {str(shape):16} {kind:8} shipped {mine[0]['ms']:.3f} ms {mine[0]['config']}"
-                          f" -> best {best['ms']:.3f} ms {best['config']}")
+                          f" -> best {best['ms']:.3f} ms {best['config']} (relative difference {best['rel_diff']:.1e})")
 
 
 if __name__ == "__main__":

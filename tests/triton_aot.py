@@ -32,8 +32,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")  # float32 under mat
 TF32_DIMS = (32, 130, 512)
 
 
-def launches(dtype_name, dim, mining, skip):
-    """The dispatcher's launches (GPU configurations) for the self and the reference-set case."""
+def launches(dtype_name, dim, mining, skip, cc):
+    """The dispatcher's launches (GPU configurations of compute capability cc) for the self and the
+    reference-set case."""
     torch.set_float32_matmul_precision("high" if dtype_name.endswith("-tf32") else "highest")
     dtype = getattr(torch, dtype_name.split("-")[0])
     x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
@@ -41,8 +42,10 @@ def launches(dtype_name, dim, mining, skip):
     hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
     found = {}
     for case, r, rl in (("self", None, None), ("ref", ref, ref_labels)):
-        _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False)
-        *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False)
+        capability = divmod(cc, 10)
+        _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False, capability=capability)
+        *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
+                                     capability=capability)
         for launch in forward + backward:
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
@@ -72,7 +75,7 @@ def signature(launch):
 
 def compile_record(job):
     dtype_name, dim, mining, skip, name, cc = job
-    launch = launches(dtype_name, dim, mining, skip)[name]
+    launch = launches(dtype_name, dim, mining, skip, cc)[name]
     sig, attrs = signature(launch)
     compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
                               target=GPUTarget("cuda", cc, 32),
@@ -97,10 +100,10 @@ def jobs():
         for dim in TF32_DIMS if dtype.endswith("-tf32") else DIMS:
             variants = [(True, False)] + ([(False, True)] if dim == DIMS[-1] else [])
             for mining, skip in variants:
-                for name in launches(dtype, dim, mining, skip):
-                    if name == "_minpos_kernel" and not mining:
-                        continue  # it has no mining option
-                    for cc in TARGETS:
+                for cc in TARGETS:
+                    for name in launches(dtype, dim, mining, skip, cc):
+                        if name == "_minpos_kernel" and not mining:
+                            continue  # it has no mining option
                         yield dtype, dim, mining, skip, name, cc
 
 

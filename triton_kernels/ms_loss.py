@@ -22,9 +22,9 @@ with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tens
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
 Verified: on an H100, this build (torch 2.11, triton 3.6; bench/gpu_check.sh, 2026-11-22): the
-parity suite against the float64 reference on CUDA tensors (TF32 too), compute-sanitizer
-memcheck/racecheck/synccheck (racecheck and synccheck before _scales_kernel came, memcheck after),
-timings in bench/results/gpu/. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
+parity suite against the float64 reference on CUDA tensors (TF32 too), compute-sanitizer memcheck
+and racecheck (synccheck on the previous build), timings in bench/results/gpu/. The sm_80 entries of
+the tile table have only been compiled. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
 (tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration compiled ahead
 of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
@@ -311,11 +311,12 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
                  A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 EARLY_COLUMN_TERMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
     (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS).
     Row r of H enters the product times row_scale[r] (a power of 2, see _scales_kernel) and leaves it
-    divided by it."""
+    divided by it. EARLY_COLUMN_TERMS: the column anchors' stats are loaded before S, not after (a
+    register cost that sm_80 cannot pay without spilling)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -331,6 +332,9 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     for start in range(begin, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < end
+        if B_ANCHORS and EARLY_COLUMN_TERMS:  # loaded before S: their latency hides behind its products
+            minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
+                stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
         s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                            col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -338,8 +342,9 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             p, n = _mined_sets(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], epsilon, MINING)
             h += scale_i[:, None] * _pair_weights(s, p, n, lp_i[:, None], ln_i[:, None], alpha, beta, base)
         if B_ANCHORS:  # classes are symmetric; the column anchors' own stats decide their sets
-            minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
-                stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
+            if not EARLY_COLUMN_TERMS:
+                minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
+                    stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
             p, n = _mined_sets(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], epsilon, MINING)
             h += scale_j[None, :] * _pair_weights(s, p, n, lp_j[None, :], ln_j[None, :], alpha, beta, base)
         b = tl.load(b_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
@@ -372,24 +377,28 @@ def _pow2_at_least_16(n):
     return max(16, triton.next_power_of_2(max(n, 1)))
 
 
-def tile_config(kind, dtype, dim, interpret=INTERPRETED):
-    """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype and D.
+def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
+    """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype, D and the
+    GPU's compute capability.
 
     From sweeps on an H100 (bench/tune_triton.py, B = 16384, D = 512, 2026-11-22; results in
-    bench/results/gpu/). 16-bit forward: 128 x 64 tiles, 8 warps (two Hopper warpgroups), 3
-    stages. 16-bit backward: 64 rows, 64 x 32 pair tiles, a float32 accumulator of up to 512
-    columns of D (S computed once per pair tile for D <= 512), 3 stages: 4.48 ms against 5.71 with
-    2 stages and 5.44 for 256 columns (which computes S twice at D = 512); 2 stages for D <= 256,
-    where 3 spill on sm_80.
-    Faster entries that spill registers were left out (a 128 x 128 forward: 2.37 ms against 2.58;
-    float32: 45 ms forward, 193 ms backward against 82 and 377), since the spills grow on sm_80; a
-    table per architecture would take them. float32 runs IEEE FMA products on small single-stage
+    bench/results/gpu/). 16-bit forward: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3
+    stages: 1.14 ms against 1.31 for 128 x 64. 16-bit backward: 64 rows, 64 x 32 pair tiles, a
+    float32 accumulator of up to 512 columns of D (S computed once per pair tile for D <= 512), 3
+    stages: 4.48 ms against 5.71 with 2 stages and 5.44 for 256 columns (which computes S twice at
+    D = 512); 2 stages for D <= 256, where 3 spill on sm_80. On sm_90 (capability >= 9.0) the
+    column anchors' statistics are loaded before S (EARLY_COLUMN_TERMS: 3.85 ms against 4.50 in one
+    run), which spills on sm_80.
+    Faster entries that spill registers were left out (64 x 64 backward tiles: 4.00 ms against 4.35,
+    308 bytes of spills on sm_90; float32: 45 ms forward, 193 ms backward against 82 and 377).
+    float32 runs IEEE FMA products on small single-stage
     tiles (32 backward rows: 64 spill a few bytes at small D), or TF32 tensor-core products when
     torch's float32 matmul precision allows them (float32_precision; those tiles are not tuned: 27.8 ms
     at B = 16384 on the H100, against 159 ms in IEEE float32).
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
-    Every configuration this returns for a GPU is compiled for sm_80 and sm_90 by the tests.
+    Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
+    and 9.0) by the tests.
     """
     precision = float32_precision() if dtype == torch.float32 else "tf32"  # (unused for 16-bit)
     if interpret:
@@ -401,7 +410,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
         config = (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=1) if kind == "forward" else
                   dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_D=512, num_warps=8, num_stages=1))
     elif kind == "forward":
-        config = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
+        config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
         config = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_D=512, num_warps=8, num_stages=3 if dim > 256 else 2)
     padded = dim + (-dim % 16)  # (_aligned_rows) K steps that divide it: no step over zero padding
@@ -410,6 +419,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED):
         config.pop("BLOCK_D", None)
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
+        config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
     return config
@@ -481,6 +491,11 @@ def _multiprocessors(device, interpret):
     return 4 if interpret else 132
 
 
+def _capability(device):
+    """What the tile table is chosen for: the GPU's compute capability; for plans made on CPU tensors, an H100's."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+
+
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
 
 
@@ -530,7 +545,7 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
 
 
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
-                 skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None):
+                 skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None, capability=None):
     """(loss [B], stats [4, B], launches that fill them): the hardest positive from each block's
     positive range, one pass over all columns (per column split) for the negatives, and one launch
     that combines the splits and sums the positives (`positive_ranges`)."""
@@ -539,7 +554,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     num_x, dim = a.shape
     loss = torch.zeros(num_x, dtype=torch.float32, device=x.device)
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
-    config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret))
+    config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability or _capability(x.device)))
     row_programs = triton.cdiv(num_x, config["BLOCK_M"])
     row_order, col_order, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"], ref is None)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
@@ -563,7 +578,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
 
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
-                  mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None):
+                  mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
+                  capability=None):
     """(grad_x, grad_ref or empty [0], launches that fill them); no dref launch without ref_grad.
     A gradient whose launch splits its columns comes as float32 partials [splits, rows, D], to be
     summed over the first axis."""
@@ -585,7 +601,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                          base=base, epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors,
                          COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
-    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret))
+    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability or _capability(x.device)))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
     shared = dict(stats_ptr=stats, scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
