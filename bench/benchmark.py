@@ -4,7 +4,7 @@ Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact me
 `matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
 four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
 `cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
-per step; CUDA only, and only where the step has no host sync, as in the self case), and `pml`
+per step; CUDA only), and `pml`
 (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
@@ -381,8 +381,6 @@ def main():
                    "dtype": args.dtype, "hardness": "mining off" if args.no_mining else args.hardness,
                    "mined": mined}
             skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
-            if provider == "triton-graph" and ref_rows is not None:  # (the positive list's length is read back)
-                skip = "skipped: the reference-set step syncs with the host once"
             print(f"[{shape_name(batch, ref_rows):>14}] {provider:<9} ", end="", flush=True)
             if skip:
                 row["status"] = skip

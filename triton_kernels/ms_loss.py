@@ -3,8 +3,9 @@ B x R buffer.
 
 Each program takes one block of anchor rows and one split of the columns (`column_splits`: splits
 only where the row blocks alone give fewer than two programs per multiprocessor). The forward takes
-the anchors in label order, so a block's positives all lie in one short range of the label-sorted
-columns (`positive_ranges`), and makes a single pass over all columns:
+the anchors in label order, so a block's positives form one short list: the label-sorted columns of
+its labels (`positive_ranges`, built on the device with no host sync), and it makes a single pass
+over all columns:
 - `_minpos_kernel`: S over the block's positive range -> each anchor's hardest positive (minpos);
 - `_negatives_kernel`: S over all columns, once -> the hardest negative and, since the negatives'
   mining needs only minpos, the sum of exp over the mined negatives, rescaled online;
@@ -24,7 +25,9 @@ torch.get_float32_matmul_precision() allows them (`float32_precision`).
 Verified: on an H100, this build (torch 2.11, triton 3.6; bench/gpu_check.sh, 2026-11-22): the
 parity suite against the float64 reference on CUDA tensors (TF32 too), compute-sanitizer memcheck
 and racecheck (synccheck on the previous build), timings in bench/results/gpu/. The sm_80 entries of
-the tile table have only been compiled. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
+the tile table have only been compiled. The sync-free positive lists (`positive_ranges`,
+`_positive_columns`) came after those runs: interpreted and compiled, and only part of the test
+suite has run them on the H100. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
 (tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration compiled ahead
 of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
@@ -145,12 +148,24 @@ def _ordered_rows(row_order_ptr, num_x, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _positive_columns(col_order_ptr, start, end, BLOCK_N: tl.constexpr):
-    """The next BLOCK_N columns, from `start` on (before `end`), of the list that holds every positive
-    of this program's anchors (`positive_ranges`)."""
+def _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, end, num_x,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Slots start .. start + BLOCK_N (before `end`) of this program's positive list, the segments of
+    its anchors (`positive_ranges`) one after another, as columns: each slot's segment found by a
+    binary search over the block's segment ends, then its column read from the label-sorted order."""
     slots = start + tl.arange(0, BLOCK_N)
     col_ok = slots < end
-    return tl.load(col_order_ptr + slots, mask=col_ok, other=0), col_ok
+    first = tl.program_id(0) * BLOCK_M
+    low = tl.zeros((BLOCK_N,), tl.int32) + first  # [low, high]: the anchors whose segment may hold the slot
+    high = tl.zeros((BLOCK_N,), tl.int32) + tl.minimum(first + BLOCK_M, num_x) - 1
+    tl.static_assert(BLOCK_M <= 256)  # 8 halvings of [low, high] find it (more leave it in place)
+    for _ in tl.static_range(8):
+        middle = (low + high) // 2
+        after = tl.load(segment_end_ptr + middle) <= slots
+        low = tl.where(after, middle + 1, low)
+        high = tl.where(after, high, middle)
+    shift = tl.load(column_shift_ptr + low, mask=col_ok, other=0)
+    return tl.load(col_order_ptr + slots + shift, mask=col_ok, other=0), col_ok
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -163,7 +178,7 @@ def _column_range(num_ref, cols_per_split, split_axis: tl.constexpr):
 
 @triton.jit
 def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
-                   range_ptr, minpos_ptr, num_x, dim,
+                   segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Each anchor's hardest positive, from the columns of its block's positive range alone."""
@@ -172,7 +187,8 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     minpos = tl.full((BLOCK_M,), INF, tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
-        cols, col_ok = _positive_columns(col_order_ptr, start, range_end, BLOCK_N)
+        cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
+                                         BLOCK_M, BLOCK_N)
         s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                     col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
@@ -216,8 +232,8 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
 
 @triton.jit
 def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
-                   range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim, splits, alpha, beta, base,
-                   epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                   segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim,
+                   splits, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The splits combined in their order (maxneg, LN); then the positive sum over the positive range
@@ -239,7 +255,8 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
-        cols, col_ok = _positive_columns(col_order_ptr, start, range_end, BLOCK_N)
+        cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
+                                         BLOCK_M, BLOCK_N)
         s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                     col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if MINING:
@@ -511,37 +528,29 @@ def column_splits(row_programs, num_cols, block_n, multiprocessors):
 
 
 def positive_ranges(row_keys, col_keys, block_m, self_case):
-    """(row order, positive columns, ranges [row blocks, 2] int32): the anchors sorted by label, and
-    for row block k (anchors row_order[k*block_m:(k+1)*block_m]) the slice ranges[k] of `positive
-    columns` that holds exactly the columns of the block's labels, so every positive of the block.
-    Self case: the columns sorted by label, each block's slice contiguous already (about 128 columns
-    for 128 anchors of a P x M batch). Reference set: the columns of each block's labels gathered
-    into a list (its length is read back to the host once: the op is opaque to torch.compile)."""
+    """Where each row block's positives are, built on the device without a host sync (so a step can
+    be captured in a CUDA graph): (row order, column order, segment ends, column shifts, ranges).
+    The anchors are taken in label order (row order) and the columns too (column order). In block
+    k (anchors row_order[k*block_m:(k+1)*block_m]) the first anchor of each label owns a segment:
+    the slice of the column order that holds that label's columns. The block's segments one after
+    another form its positive list, slots ranges[k, 0] .. ranges[k, 1] of one numbering; slot q of
+    anchor a's segment (segment_end[a - 1] <= q < segment_end[a]) is column
+    column_order[q + column_shift[a]]. A block holds exactly its labels' columns (self case: about
+    128 for 128 anchors of a P x M batch; a memory bank of random classes costs no more)."""
     row_sorted, row_order = torch.sort(row_keys, stable=True)
-    starts = torch.arange(0, row_keys.shape[0], block_m, device=row_keys.device)
-    if self_case:
-        lasts = torch.clamp(starts + block_m - 1, max=row_keys.shape[0] - 1)
-        ranges = torch.stack([torch.searchsorted(row_sorted, row_sorted[starts]),
-                              torch.searchsorted(row_sorted, row_sorted[lasts], right=True)], 1)
-        row_order = row_order.to(torch.int32)
-        return row_order, row_order, ranges.to(torch.int32).contiguous()
-    col_sorted, col_order = torch.sort(col_keys, stable=True)
+    col_sorted, col_order = (row_sorted, row_order) if self_case else torch.sort(col_keys, stable=True)
     lo = torch.searchsorted(col_sorted, row_sorted)
     hi = torch.searchsorted(col_sorted, row_sorted, right=True)
-    first = torch.ones_like(row_sorted, dtype=torch.bool)  # the first anchor of each label in its block
-    first[1:] = row_sorted[1:] != row_sorted[:-1]
-    first[starts] = True
+    starts = torch.arange(0, row_keys.shape[0], block_m, device=row_keys.device)
+    # the first anchor of each label in its block (no host value enters a device tensor: capturable)
+    first = torch.arange(row_keys.shape[0], device=row_keys.device) % block_m == 0
+    first[1:] |= row_sorted[1:] != row_sorted[:-1]
     lengths = torch.where(first, hi - lo, 0)
-    per_block = torch.zeros(starts.shape[0], dtype=torch.int64, device=row_keys.device)
-    per_block.index_add_(0, torch.arange(row_keys.shape[0], device=row_keys.device) // block_m, lengths)
-    ends = torch.cumsum(per_block, 0)
-    total = int(ends[-1]) if ends.numel() else 0
-    segment_starts = torch.cumsum(lengths, 0) - lengths  # where each anchor's segment lands in the list
-    owner = torch.repeat_interleave(torch.arange(lengths.shape[0], device=row_keys.device), lengths,
-                                    output_size=total)
-    columns = col_order[lo[owner] + torch.arange(total, device=row_keys.device) - segment_starts[owner]]
-    ranges = torch.stack([ends - per_block, ends], 1)
-    return row_order.to(torch.int32), columns.to(torch.int32), ranges.to(torch.int32).contiguous()
+    segment_end = torch.cumsum(lengths, 0)
+    column_shift = lo - (segment_end - lengths)
+    lasts = torch.clamp(starts + block_m - 1, max=max(row_keys.shape[0] - 1, 0))
+    ranges = torch.stack([segment_end[starts] - lengths[starts], segment_end[lasts]], 1)
+    return row_order.to(torch.int32), col_order.to(torch.int32), segment_end, column_shift, ranges.contiguous()
 
 
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
@@ -554,16 +563,19 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     num_x, dim = a.shape
     loss = torch.zeros(num_x, dtype=torch.float32, device=x.device)
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
-    config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability or _capability(x.device)))
+    capability = capability or _capability(x.device)
+    config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability))
     row_programs = triton.cdiv(num_x, config["BLOCK_M"])
-    row_order, col_order, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"], ref is None)
+    row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"],
+                                                                              ref is None)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
                                            multiprocessors or _multiprocessors(x.device, interpret))
     minpos = torch.empty(num_x, dtype=torch.float32, device=x.device)
     partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
     tensors = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
                    ref_ids_ptr=b_ids, row_order_ptr=row_order, minpos_ptr=minpos, num_x=num_x, dim=dim)
-    positives = dict(col_order_ptr=col_order, range_ptr=ranges)
+    positives = dict(col_order_ptr=col_order, segment_end_ptr=segment_end, column_shift_ptr=column_shift,
+                     range_ptr=ranges)
     launches = [
         Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), config, warps, stages),
         Launch(_negatives_kernel, (row_programs, splits),
@@ -601,7 +613,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                          base=base, epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors,
                          COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
-    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability or _capability(x.device)))
+    capability = capability or _capability(x.device)
+    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
     grid_d = triton.cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
     shared = dict(stats_ptr=stats, scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
