@@ -258,6 +258,29 @@ def test_column_splits_cover_every_column_once(row_programs, num_cols, block_n):
         assert row_programs * splits >= min(2 * 132, row_programs * -(-num_cols // block_n))
 
 
+@pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
+@pytest.mark.parametrize("batch,ref_rows,classes,block_m", [(300, None, 70, 64), (1, None, 1, 64), (0, None, 1, 64),
+                                                            (257, 1000, 90, 128), (97, 5, 40, 32), (64, 3000, 2, 64)])
+def test_positive_lists_hold_exactly_each_blocks_labels(batch, ref_rows, classes, block_m):
+    """positive_ranges' contract, walked slot by slot as _positive_columns does (a search for the
+    slot's segment, then the shifted column order): each block's list is exactly the columns whose
+    label one of its anchors has, each once."""
+    gen = torch.Generator().manual_seed(batch)
+    row_keys = torch.randint(0, classes, (batch,), generator=gen, dtype=torch.int32)
+    col_keys = row_keys if ref_rows is None else torch.randint(0, classes, (ref_rows,), generator=gen,
+                                                               dtype=torch.int32)
+    row_order, col_order, segment_end, column_shift, ranges = triton_kernels.positive_ranges(
+        row_keys, col_keys, block_m, ref_rows is None)
+    assert sorted(row_order.tolist()) == list(range(batch)) and ranges.shape == (-(-batch // block_m), 2)
+    for k, (start, end) in enumerate(ranges.tolist()):
+        anchors = row_order[k * block_m:(k + 1) * block_m].long()
+        slots = torch.arange(start, end)
+        owner = k * block_m + torch.searchsorted(segment_end[k * block_m:(k + 1) * block_m], slots, right=True)
+        columns = col_order[(slots + column_shift[owner]).long()].long()
+        wanted = torch.isin(col_keys, row_keys[anchors]).nonzero().flatten()
+        assert sorted(columns.tolist()) == wanted.tolist()
+
+
 def test_int64_keys_beyond_the_int32_range(target):
     # Keys equal in their low 32 bits: a kernel that truncated them would merge every class.
     kwargs = build_case("ref_ids", 61, 16, torch.float32, seed=13)
