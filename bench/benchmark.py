@@ -4,8 +4,8 @@ Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact me
 `matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
 four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
 `cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
-per step; CUDA only), and `pml`
-(pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
+per step; CUDA only), and `pml` (pytorch-metric-learning's MultiSimilarityLoss +
+MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
 over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),

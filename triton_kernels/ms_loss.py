@@ -27,7 +27,7 @@ parity suite against the float64 reference on CUDA tensors (TF32 too), compute-s
 and racecheck (synccheck on the previous build), timings in bench/results/gpu/. The sm_80 entries of
 the tile table have only been compiled. The sync-free positive lists (`positive_ranges`,
 `_positive_columns`) came after those runs: interpreted and compiled, and only part of the test
-suite has run them on the H100. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
+suite has run them on the H100 (as has the later `_anchor_stats`, one stats loader for two kernels). Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
 (tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration compiled ahead
 of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
@@ -273,13 +273,21 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
 
 
 @triton.jit
-def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
-                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):
-    """Stats of the anchors `index` and their gradient scale (0 where the anchor does not count)."""
+def _anchor_stats(stats_ptr, num_anchors, index, ok):
+    """(minpos, maxneg, LP, LN) of the anchors `index` from stats [4, num_anchors]; an invalid one has
+    empty sets."""
     minpos = tl.load(stats_ptr + index, mask=ok, other=INF)
     maxneg = tl.load(stats_ptr + num_anchors + index, mask=ok, other=-INF)
     lp = tl.load(stats_ptr + 2 * num_anchors + index, mask=ok, other=0.0)
     ln = tl.load(stats_ptr + 3 * num_anchors + index, mask=ok, other=0.0)
+    return minpos, maxneg, lp, ln
+
+
+@triton.jit
+def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
+                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):
+    """Stats of the anchors `index` and their gradient scale (0 where the anchor does not count)."""
+    minpos, maxneg, lp, ln = _anchor_stats(stats_ptr, num_anchors, index, ok)
     scale = tl.load(scale_ptr + index, mask=ok, other=0.0)
     scale = tl.where(_anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE), scale, 0.0)
     return minpos, maxneg, lp, ln, scale
@@ -303,10 +311,7 @@ def _scales_kernel(grad_ptr, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_li
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_anchors
     scale = tl.load(grad_ptr + i, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
-    minpos = tl.load(stats_ptr + i, mask=ok, other=INF)
-    maxneg = tl.load(stats_ptr + num_anchors + i, mask=ok, other=-INF)
-    lp = tl.load(stats_ptr + 2 * num_anchors + i, mask=ok, other=0.0)
-    ln = tl.load(stats_ptr + 3 * num_anchors + i, mask=ok, other=0.0)
+    minpos, maxneg, lp, ln = _anchor_stats(stats_ptr, num_anchors, i, ok)
     has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
     largest = tl.maximum(tl.where(has_positive, -alpha * (minpos - base) - lp, -INF),
                          tl.where(has_negative, beta * (maxneg - base) - ln, -INF))
