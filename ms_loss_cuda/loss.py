@@ -207,11 +207,12 @@ class _UnitRows(torch.autograd.Function):
 def _nan_if_nonfinite(loss, *inputs):
     """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on
     each tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's
-    size (torch.isfinite(t).all() took 10x longer)."""
-    extremes = [v for t in inputs if t is not None and t.numel() > 0 for v in torch.aminmax(t)]
+    size (torch.isfinite(t).all() took 10x longer, the max-norm 15x on CPU), then a few ops on the
+    extremes (each op is a GPU launch that costs host time)."""
+    extremes = [v for t in inputs if t is not None and t.numel() > 0 for v in torch.aminmax(t.detach())]
     if not extremes:
         return loss
-    return torch.where(torch.isfinite(torch.stack(extremes)).all(), loss, torch.nan)
+    return torch.where((torch.stack(extremes).abs() < float("inf")).all(), loss, torch.nan)  # (NaN < inf: False)
 
 
 def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
@@ -222,7 +223,7 @@ def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
         )
     hyper_parameters = [options[name] for name in ops.HYPER_PARAMETERS]
     if backend != "triton":
-        return ops.forward_op(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+        return ops.fused_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
     # the Triton kernels compare int32 ranks of the keys: made once here, not in each op
     kernels = _triton_kernels()
     labels, ranked = kernels.int32_keys(labels, labels if ref is None else ref_labels)
@@ -230,7 +231,7 @@ def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
     if ids is not None:
         ids, ranked = kernels.int32_keys(ids, ids if ref_ids is None else ref_ids)
         ref_ids = None if ref_ids is None else ranked
-    return kernels.triton_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+    return kernels.fused_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
 
 
 def multi_similarity_loss(

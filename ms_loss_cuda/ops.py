@@ -3,7 +3,8 @@
 Loading the C++ extension registers torch.ops.ms_loss_cuda.ms_loss_forward/_backward with their
 CPU (and, when built, CUDA) kernels; the Triton backend registers its own pair of ops with the same
 schema (ms_loss_cuda.triton_kernels). `register_fused_op` gives each pair one fake kernel and one
-autograd formula, so `torch.compile` and `opcheck` see every backend the same way.
+autograd formula, so `torch.compile` and `opcheck` see every backend the same way, and returns the
+differentiable forward the loss calls (`fused_forward` for the C++ ops).
 `LOAD_ERROR` holds why the extension could not be loaded (None when it was).
 """
 import os
@@ -52,12 +53,17 @@ def _triangle_size(batch):
     return sum(min(h, batch - start) * (batch - start) for start in range(0, batch, h))
 
 
-def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None):
+def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, saved_rows=None):
     """Fake kernels and autograd for a (forward, backward) pair of ops with the schemas of
     csrc/ms_loss_schema.h: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
     stats [4 (+ saved_rows(B, R, element size) on CPU tensors), B]); backward(grad_loss, stats, x, ...,
     *hyper, ref_grad) -> (grad_x, grad_ref or empty [0]). Autograd asks for grad_ref only when ref
-    requires a gradient (a memory bank does not)."""
+    requires a gradient (a memory bank does not).
+    Returns the differentiable forward: the op inside torch.compile; in eager mode the same
+    implementations, saved tensors and gradient through a plain autograd.Function, which skips the
+    op's Python dispatch layers (a custom op's took 140 us of a 360 us Triton step's host time on this
+    project's CPU machines, its kernels stubbed out)."""
+    compiled_forward = _op(forward_name)
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
@@ -74,7 +80,7 @@ def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None)
                        mining, skip_incomplete_anchors, ref_grad=True):
         return torch.empty_like(x), (torch.empty_like(ref) if ref is not None and ref_grad else x.new_empty((0,)))
 
-    def setup_context(ctx, inputs, output):
+    def keep_for_backward(ctx, inputs, output):
         x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters = inputs
         ctx.save_for_backward(x, labels, ids, ref, ref_labels, ref_ids, output[1])
         ctx.hyper_parameters = hyper_parameters
@@ -83,22 +89,40 @@ def register_fused_op(forward_name, backward_name, backward_op, saved_rows=None)
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
 
-    def backward(ctx, grad_loss, grad_stats):
-        x, labels, ids, ref, ref_labels, ref_ids, stats = ctx.saved_tensors
-        if grad_loss is None:  # an undefined gradient (autograd may pass one; gradcheck does)
-            grad_loss = stats.new_zeros(x.shape[0])
-        ref_grad = ref is not None and ctx.needs_input_grad[3]
-        grad_x, grad_ref = backward_op(
-            grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
-        )
-        grad_ref = grad_ref if ref_grad else None
-        return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
+    def gradient_through(backward_fn):
+        def backward(ctx, grad_loss, grad_stats):
+            x, labels, ids, ref, ref_labels, ref_ids, stats = ctx.saved_tensors
+            if grad_loss is None:  # an undefined gradient (autograd may pass one; gradcheck does)
+                grad_loss = stats.new_zeros(x.shape[0])
+            ref_grad = ref is not None and ctx.needs_input_grad[3]
+            grad_x, grad_ref = backward_fn(
+                grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
+            )
+            grad_ref = grad_ref if ref_grad else None
+            return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
+        return backward
 
-    torch.library.register_autograd(forward_name, backward, setup_context=setup_context)
+    torch.library.register_autograd(forward_name, gradient_through(_op(backward_name)),
+                                    setup_context=keep_for_backward)
+
+    class Eager(torch.autograd.Function):
+        forward = staticmethod(forward_impl)
+        setup_context = staticmethod(keep_for_backward)
+        backward = staticmethod(gradient_through(backward_impl))
+
+    def fused_forward(*inputs):
+        return compiled_forward(*inputs) if torch.compiler.is_compiling() else Eager.apply(*inputs)
+
+    return fused_forward
+
+
+def _op(qualified_name):
+    namespace, name = qualified_name.split("::")
+    return getattr(getattr(torch.ops, namespace), name).default
 
 
 if LOAD_ERROR is None:
     forward_op = torch.ops.ms_loss_cuda.ms_loss_forward.default
     backward_op = torch.ops.ms_loss_cuda.ms_loss_backward.default
-    register_fused_op("ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward", backward_op,
-                      saved_rows=cpu_saved_rows)
+    fused_forward = register_fused_op("ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward",
+                                      forward_op, backward_op, saved_rows=cpu_saved_rows)

@@ -90,8 +90,7 @@ def reduce_losses(losses, reduction):
     """"mean" divides by B (every anchor counts, 0 for B = 0), "sum" sums, "none" keeps [B]."""
     if reduction == "none":
         return losses
-    total = losses.sum()
-    return total / max(losses.shape[0], 1) if reduction == "mean" else total
+    return losses.mean() if reduction == "mean" and losses.shape[0] else losses.sum()
 
 
 @torch.no_grad()

@@ -25,11 +25,13 @@ torch.get_float32_matmul_precision() allows them (`float32_precision`).
 Verified: on an H100, this build (torch 2.11, triton 3.6; bench/gpu_check.sh, 2026-11-22): the
 parity suite against the float64 reference on CUDA tensors (TF32 too), compute-sanitizer memcheck
 and racecheck (synccheck on the previous build), timings in bench/results/gpu/. The sm_80 entries of
-the tile table have only been compiled. The sync-free positive lists (`positive_ranges`,
-`_positive_columns`) came after those runs: interpreted and compiled, and only part of the test
-suite has run them on the H100 (as has the later `_anchor_stats`, one stats loader for two kernels). Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
-(tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration compiled ahead
-of time for sm_80 and sm_90 (tests/test_triton_compile.py).
+the tile table have only been compiled. Came after those runs, so interpreted and compiled only:
+the sync-free positive lists (`positive_ranges`, `_positive_columns`; part of the test suite ran
+them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats loader for two
+kernels), the strided grad_output of `_scales_kernel`, and the eager path that skips the custom
+ops' dispatch (ms_loss_cuda/ops.py). Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU
+tensors (tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration
+compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
 import os
@@ -149,23 +151,25 @@ def _ordered_rows(row_order_ptr, num_x, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, end, num_x,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Slots start .. start + BLOCK_N (before `end`) of this program's positive list, the segments of
-    its anchors (`positive_ranges`) one after another, as columns: each slot's segment found by a
-    binary search over the block's segment ends, then its column read from the label-sorted order."""
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Slots start .. start + BLOCK_N (before `end`) of this program's positive list, as columns
+    (`positive_ranges`). Unsegmented (self case), slot q is column col_order[q]. Segmented, the list
+    is the segments of the block's anchors one after another: each slot's segment is found by a
+    binary search over the block's segment ends, then its column read from the shifted order."""
     slots = start + tl.arange(0, BLOCK_N)
     col_ok = slots < end
-    first = tl.program_id(0) * BLOCK_M
-    low = tl.zeros((BLOCK_N,), tl.int32) + first  # [low, high]: the anchors whose segment may hold the slot
-    high = tl.zeros((BLOCK_N,), tl.int32) + tl.minimum(first + BLOCK_M, num_x) - 1
-    tl.static_assert(BLOCK_M <= 256)  # 8 halvings of [low, high] find it (more leave it in place)
-    for _ in tl.static_range(8):
-        middle = (low + high) // 2
-        after = tl.load(segment_end_ptr + middle) <= slots
-        low = tl.where(after, middle + 1, low)
-        high = tl.where(after, high, middle)
-    shift = tl.load(column_shift_ptr + low, mask=col_ok, other=0)
-    return tl.load(col_order_ptr + slots + shift, mask=col_ok, other=0), col_ok
+    if SEGMENTED:
+        first = tl.program_id(0) * BLOCK_M
+        low = tl.zeros((BLOCK_N,), tl.int32) + first  # [low, high]: the anchors whose segment may hold the slot
+        high = tl.zeros((BLOCK_N,), tl.int32) + tl.minimum(first + BLOCK_M, num_x) - 1
+        tl.static_assert(BLOCK_M <= 256)  # 8 halvings of [low, high] find it (more leave it in place)
+        for _ in tl.static_range(8):
+            middle = (low + high) // 2
+            after = tl.load(segment_end_ptr + middle) <= slots
+            low = tl.where(after, middle + 1, low)
+            high = tl.where(after, high, middle)
+        slots += tl.load(column_shift_ptr + low, mask=col_ok, other=0)
+    return tl.load(col_order_ptr + slots, mask=col_ok, other=0), col_ok
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -178,7 +182,7 @@ def _column_range(num_ref, cols_per_split, split_axis: tl.constexpr):
 
 @triton.jit
 def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
-                   segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim,
+                   segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim, SEGMENTED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Each anchor's hardest positive, from the columns of its block's positive range alone."""
@@ -188,7 +192,7 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
-                                         BLOCK_M, BLOCK_N)
+                                         BLOCK_M, BLOCK_N, SEGMENTED)
         s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                     col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
@@ -234,7 +238,7 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
 def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
                    segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim,
                    splits, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The splits combined in their order (maxneg, LN); then the positive sum over the positive range
     (the positives' mining needs the final maxneg); stats [4, B] = (minpos, maxneg, LP, LN), loss."""
@@ -256,7 +260,7 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
-                                         BLOCK_M, BLOCK_N)
+                                         BLOCK_M, BLOCK_N, SEGMENTED)
         s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
                                     col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if MINING:
@@ -294,8 +298,8 @@ def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
 
 
 @triton.jit
-def _scales_kernel(grad_ptr, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_lift_ptr, num_anchors, alpha, beta,
-                   base, epsilon, max_lift, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_lift_ptr, num_anchors, alpha,
+                   beta, base, epsilon, max_lift, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
                    COLUMN_LIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Per anchor: its gradient scale grad_i / norm (norm = max |grad| clamped at 1e-30, so |scale| <= 1)
     and the lift of its row of pair weights, the power of 2 in [1, min(2^64, max_lift)] that takes
@@ -310,7 +314,7 @@ def _scales_kernel(grad_ptr, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_li
     column_lift_ptr, which starts there: the same result in any order)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_anchors
-    scale = tl.load(grad_ptr + i, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
+    scale = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
     minpos, maxneg, lp, ln = _anchor_stats(stats_ptr, num_anchors, i, ok)
     has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
     largest = tl.maximum(tl.where(has_positive, -alpha * (minpos - base) - lp, -INF),
@@ -535,27 +539,36 @@ def column_splits(row_programs, num_cols, block_n, multiprocessors):
 def positive_ranges(row_keys, col_keys, block_m, self_case):
     """Where each row block's positives are, built on the device without a host sync (so a step can
     be captured in a CUDA graph): (row order, column order, segment ends, column shifts, ranges).
-    The anchors are taken in label order (row order) and the columns too (column order). In block
-    k (anchors row_order[k*block_m:(k+1)*block_m]) the first anchor of each label owns a segment:
-    the slice of the column order that holds that label's columns. The block's segments one after
-    another form its positive list, slots ranges[k, 0] .. ranges[k, 1] of one numbering; slot q of
-    anchor a's segment (segment_end[a - 1] <= q < segment_end[a]) is column
-    column_order[q + column_shift[a]]. A block holds exactly its labels' columns (self case: about
-    128 for 128 anchors of a P x M batch; a memory bank of random classes costs no more)."""
+    The anchors are taken in label order (row order) and the columns too (column order), so block k
+    (anchors row_order[k*block_m:(k+1)*block_m]) holds a run of sorted labels, and its positive list
+    is slots ranges[k, 0] .. ranges[k, 1] of one numbering that names exactly the columns of those
+    labels (self case: about 128 for 128 anchors of a P x M batch).
+    Self case (segment ends and shifts None): the columns are the anchors, so every label of the run
+    has all its columns inside one slice of the column order, and slot q is column column_order[q].
+    Reference set: a label between two of the block's may have columns but no anchor here, so the
+    list is built of segments: the first anchor of each label in the block owns the slice of the
+    column order that holds that label's columns; slot q of anchor a's segment
+    (segment_end[a - 1] <= q < segment_end[a]) is column column_order[q + column_shift[a]] (a memory
+    bank of random classes costs no more than the self case)."""
     row_sorted, row_order = torch.sort(row_keys, stable=True)
-    col_sorted, col_order = (row_sorted, row_order) if self_case else torch.sort(col_keys, stable=True)
+    starts = torch.arange(0, row_keys.shape[0], block_m, device=row_keys.device)
+    lasts = torch.clamp(starts + (block_m - 1), max=max(row_keys.shape[0] - 1, 0))
+    row_order = row_order.to(torch.int32)
+    if self_case:
+        ranges = torch.stack([torch.searchsorted(row_sorted, row_sorted[starts]),
+                              torch.searchsorted(row_sorted, row_sorted[lasts], right=True)], 1)
+        return row_order, row_order, None, None, ranges
+    col_sorted, col_order = torch.sort(col_keys, stable=True)
     lo = torch.searchsorted(col_sorted, row_sorted)
     hi = torch.searchsorted(col_sorted, row_sorted, right=True)
-    starts = torch.arange(0, row_keys.shape[0], block_m, device=row_keys.device)
     # the first anchor of each label in its block (no host value enters a device tensor: capturable)
     first = torch.arange(row_keys.shape[0], device=row_keys.device) % block_m == 0
-    first[1:] |= row_sorted[1:] != row_sorted[:-1]
-    lengths = torch.where(first, hi - lo, 0)
+    first[1:].logical_or_(row_sorted[1:] != row_sorted[:-1])
+    lengths = (hi - lo) * first
     segment_end = torch.cumsum(lengths, 0)
     column_shift = lo - (segment_end - lengths)
-    lasts = torch.clamp(starts + block_m - 1, max=max(row_keys.shape[0] - 1, 0))
     ranges = torch.stack([segment_end[starts] - lengths[starts], segment_end[lasts]], 1)
-    return row_order.to(torch.int32), col_order.to(torch.int32), segment_end, column_shift, ranges.contiguous()
+    return row_order, col_order.to(torch.int32), segment_end, column_shift, ranges
 
 
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
@@ -566,7 +579,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
-    loss = torch.zeros(num_x, dtype=torch.float32, device=x.device)
+    loss = torch.empty(num_x, dtype=torch.float32, device=x.device)  # (_finish_kernel writes every row)
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability))
@@ -579,17 +592,20 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
     tensors = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
                    ref_ids_ptr=b_ids, row_order_ptr=row_order, minpos_ptr=minpos, num_x=num_x, dim=dim)
-    positives = dict(col_order_ptr=col_order, segment_end_ptr=segment_end, column_shift_ptr=column_shift,
-                     range_ptr=ranges)
+    segmented = segment_end is not None  # (unsegmented: the kernels never read the two, any pointer will do)
+    positives = dict(col_order_ptr=col_order, segment_end_ptr=segment_end if segmented else col_order,
+                     column_shift_ptr=column_shift if segmented else col_order, range_ptr=ranges)
     launches = [
-        Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), config, warps, stages),
+        Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), dict(config, SEGMENTED=segmented),
+               warps, stages),
         Launch(_negatives_kernel, (row_programs, splits),
                dict(tensors, part_ptr=partials, num_ref=b.shape[0], splits=splits, cols_per_split=cols_per_split,
                     beta=beta, base=base, epsilon=epsilon), dict(config, MINING=mining), warps, stages),
         Launch(_finish_kernel, (row_programs,),
                dict(tensors, **positives, part_ptr=partials, stats_ptr=stats, loss_ptr=loss, splits=splits,
                     alpha=alpha, beta=beta, base=base, epsilon=epsilon),
-               dict(config, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors), warps, stages),
+               dict(config, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, SEGMENTED=segmented), warps,
+               stages),
     ]
     return loss, stats, launches
 
@@ -603,6 +619,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     _check_dtypes(x, ref)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
+    if grad_loss.shape != (num_x,):
+        raise ValueError(f"grad_loss must have shape [{num_x}] to match x, got {tuple(grad_loss.shape)}")
     stats = stats.contiguous()
     # Pair weights enter the second product in the input dtype: scaled to |.| <= 1 (grad/B under
     # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (_scales_kernel).
@@ -610,12 +628,14 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
             if num_x else torch.ones(1, dtype=torch.float32, device=x.device))
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
-    column_lift = torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
+    column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
+                   if ref is not None and ref_grad else norm)  # (else never read: any pointer will do)
     block = 1024
     scales = Launch(_scales_kernel, (triton.cdiv(num_x, block),),
-                    dict(grad_ptr=grad_loss.contiguous(), stats_ptr=stats, norm_ptr=norm, scale_ptr=scale,
-                         lift_ptr=anchor_scale, column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta,
-                         base=base, epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
+                    dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0),  # ("mean": one value, expanded)
+                         stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
+                         column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
+                         epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors,
                          COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
     capability = capability or _capability(x.device)
@@ -684,22 +704,20 @@ def _run(plan, device, *args):
     return tuple(outputs)
 
 
-# ---- the ops (same schema, fakes and autograd as the C++ ops) -------------------------------------
-@torch.library.custom_op("ms_loss_cuda::triton_forward", mutates_args=())
-def triton_forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Tensor], ref: Optional[torch.Tensor],
-                   ref_labels: Optional[torch.Tensor], ref_ids: Optional[torch.Tensor], alpha: float, beta: float,
-                   base: float, epsilon: float, mining: bool,
-                   skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+# ---- the ops ----------------------------------------------------------------------------------
+def _forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+             ref_labels: Optional[torch.Tensor], ref_ids: Optional[torch.Tensor], alpha: float, beta: float,
+             base: float, epsilon: float, mining: bool,
+             skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _run(forward_plan, x.device, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
                 skip_incomplete_anchors)
 
 
-@torch.library.custom_op("ms_loss_cuda::triton_backward", mutates_args=())
-def triton_backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, labels: torch.Tensor,
-                    ids: Optional[torch.Tensor], ref: Optional[torch.Tensor], ref_labels: Optional[torch.Tensor],
-                    ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
-                    mining: bool, skip_incomplete_anchors: bool,
-                    ref_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, labels: torch.Tensor,
+              ids: Optional[torch.Tensor], ref: Optional[torch.Tensor], ref_labels: Optional[torch.Tensor],
+              ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
+              mining: bool, skip_incomplete_anchors: bool,
+              ref_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
                             alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad)
@@ -711,4 +729,8 @@ def triton_backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tenso
     return unpadded(grad_x, x), (unpadded(grad_ref, ref) if ref_grad else grad_ref)
 
 
-ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", triton_backward)
+# the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward the loss calls
+triton_forward = torch.library.custom_op("ms_loss_cuda::triton_forward", _forward, mutates_args=())
+triton_backward = torch.library.custom_op("ms_loss_cuda::triton_backward", _backward, mutates_args=())
+fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", _forward,
+                                      _backward)
