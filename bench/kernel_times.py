@@ -1,5 +1,6 @@
 """Where one forward+backward step's time goes on a GPU: each kernel's device time per step (torch
-profiler), their sum, and the step's wall time, so launch overhead and host syncs show as the gap.
+profiler), their sum, the step's wall time, so launch overhead and host syncs show as the gap, and
+the host's time to issue a step (from an idle GPU until the step returns, median of --steps).
     python bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --providers triton cuda
 Shapes: B (self case) or BxR (B anchors against a memory bank of R rows). Data as bench/benchmark.py
 (P x M batches, typical hardness).
@@ -33,6 +34,13 @@ def main():
             for _ in range(2):  # warm-up: compiles
                 x.grad = None
                 step(x)
+            host = []
+            for _ in range(args.steps):
+                x.grad = None
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                step(x)
+                host.append(time.perf_counter() - start)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
@@ -44,7 +52,8 @@ def main():
             kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
             kernels.sort(key=lambda e: -e.device_time_total)
             total = sum(e.device_time_total for e in kernels) / args.steps / 1e3
-            print(f"\n== {provider} {args.dtype} {shape}: wall {wall * 1e3:.3f} ms/step, kernels {total:.3f} ms/step")
+            print(f"\n== {provider} {args.dtype} {shape}: wall {wall * 1e3:.3f} ms/step, kernels {total:.3f} ms/step, "
+                  f"host {sorted(host)[len(host) // 2] * 1e3:.3f} ms/step")
             for e in kernels[:12]:
                 print(f"  {e.device_time_total / args.steps / 1e3:8.3f} ms  x{e.count // args.steps:<3} {e.key[:90]}")
 
