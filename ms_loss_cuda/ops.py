@@ -59,11 +59,11 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
     stats [4 (+ saved_rows(B, R, element size) on CPU tensors), B]); backward(grad_loss, stats, x, ...,
     *hyper, ref_grad) -> (grad_x, grad_ref or empty [0]). Autograd asks for grad_ref only when ref
     requires a gradient (a memory bank does not).
-    Returns the differentiable forward: the op inside torch.compile; in eager mode the same
-    implementations, saved tensors and gradient through a plain autograd.Function, which skips the
-    op's Python dispatch layers (a custom op's took 140 us of a 360 us Triton step's host time on this
-    project's CPU machines, its kernels stubbed out)."""
-    compiled_forward = _op(forward_name)
+    Returns the differentiable forward: the op where the call is traced (`_traced`); in eager mode
+    the same implementations, saved tensors and gradient through a plain autograd.Function, which
+    skips the op's Python dispatch layers (a custom op's took 140 us of a 360 us Triton step's host
+    time on this project's CPU machines, its kernels stubbed out)."""
+    traced_forward = _op(forward_name)
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
@@ -111,9 +111,16 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
         backward = staticmethod(gradient_through(backward_impl))
 
     def fused_forward(*inputs):
-        return compiled_forward(*inputs) if torch.compiler.is_compiling() else Eager.apply(*inputs)
+        return traced_forward(*inputs) if _traced() else Eager.apply(*inputs)
 
     return fused_forward
+
+
+def _traced():
+    """Whether the call is traced rather than run: by torch.compile or export, or under one of torch's
+    tracing modes (fake tensors, make_fx proxies, functionalisation), which need the op and its fake."""
+    return torch.compiler.is_compiling() or any(
+        torch._C._get_dispatch_mode(key) is not None for key in torch._C._TorchDispatchModeKey.__members__.values())
 
 
 def _op(qualified_name):

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import cpp_extension
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -236,6 +237,17 @@ def test_torch_compile_fullgraph(target, choice):
     (grad_eager,) = torch.autograd.grad(eager, x)
     torch.testing.assert_close(loss, eager)
     torch.testing.assert_close(grad, grad_eager)
+
+
+def test_fake_tensors_take_the_op_and_its_fake_kernel(target):
+    """Under torch's tracing modes (here fake tensors) the loss calls the op, whose fake kernels give
+    the shapes; the eager path would launch the kernels on tensors without data."""
+    x, labels = make_batch(37, 32, 5, dtype=torch.float32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(x.to(target.device)).requires_grad_()
+        loss = multi_similarity_loss(x, mode.from_tensor(labels.to(target.device)), backend=target.backend)
+        loss.backward()
+    assert isinstance(loss, FakeTensor) and loss.shape == () and x.grad.shape == (37, 32)
 
 
 @pytest.mark.skipif(DEVICE == "cpu" or ops.LOAD_ERROR is not None, reason="needs a GPU and the CUDA kernels built")
