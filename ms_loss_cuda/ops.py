@@ -61,8 +61,8 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
     requires a gradient (a memory bank does not).
     Returns the differentiable forward: the op where the call is traced (`_traced`); in eager mode
     the same implementations, saved tensors and gradient through a plain autograd.Function, which
-    skips the op's Python dispatch layers (a custom op's took 140 us of a 360 us Triton step's host
-    time on this project's CPU machines, its kernels stubbed out)."""
+    skips the op's Python dispatch layers (bench/host_time.py: a Triton step's host time 0.71 -> 0.59
+    ms on this project's CPU machines)."""
     traced_forward = _op(forward_name)
 
     @torch.library.register_fake(forward_name)
