@@ -8,7 +8,8 @@
 # bfloat16, float32 and float32 under TF32: self case B = 4096, 16384, 65536 and the memory bank
 # 1024 x 262144 and 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32
 # float32-tf32"), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each
-# fused backend, against the step's wall time), profile (Nsight Compute on one float16 step of each
+# fused backend, against the step's wall time and host time; bench/host_time.py: the host's time of
+# a triton step through the eager autograd.Function and through the custom ops), profile (Nsight Compute on one float16 step of each
 # fused backend at B = 16384, not a default step). Logs and results go to DIR; DIR/summary.txt
 # gets one line per step; the exit status is non-zero when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
@@ -77,7 +78,9 @@ for step in $STEPS; do
     done ;;
   kernels)
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
-      --providers triton cuda ;;
+      --providers triton cuda
+    run_step host-time 300 $PY bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512 \
+      --steps 50 --rounds 3 --out "$DIR/host-time.txt" ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \

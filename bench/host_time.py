@@ -1,11 +1,13 @@
-"""The host's share of an eager step of the triton backend, measured without a GPU: the time Python,
-autograd and torch take to issue one forward+backward, with the Triton launches stubbed out, on small
-CPU tensors (the torch ops run on the CPU instead of launching, a stand-in for a GPU host's work).
-Side by side in one run, alternating: the shipped eager path (`eager`: a plain autograd.Function)
-and the custom ops that torch.compile traces (`custom-ops`: what every eager step went through
-before). Median of --steps steps per round; the spread over --rounds rounds.
+"""The host's share of an eager step of the triton backend: the time Python, autograd and torch take
+to issue one forward+backward (from an idle device until the step returns). Side by side in one run,
+alternating: the shipped eager path (`eager`: a plain autograd.Function) and the custom ops that
+torch.compile traces (`custom-ops`: what every eager step went through before). Median of --steps
+steps per round; the spread over --rounds rounds.
+--device cpu (default, no GPU needed): CPU tensors under the Triton interpreter with the kernel
+launches stubbed out, so the torch ops run on small CPU tensors instead of launching: a stand-in
+for a GPU host's work. --device cuda: the real step, launches included.
     python bench/host_time.py --out bench/results/cpu/host-time.txt
-On a GPU, bench/kernel_times.py measures the real host time of a step.
+    python bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512
 """
 import argparse
 import json
@@ -13,23 +15,18 @@ import os
 import statistics
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: CPU tensors are taken
 
-import torch  # noqa: E402
+def step_function(batch, ref_rows, dim, device):
+    import torch
+    from ms_loss_cuda import multi_similarity_loss
 
-from benchmark import machine_info  # noqa: E402
-from ms_loss_cuda import multi_similarity_loss, ops  # noqa: E402
-from ms_loss_cuda.triton_kernels import ms_loss as triton_ms_loss  # noqa: E402
-
-
-def step_function(batch, ref_rows, dim):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, dim, generator=gen).half().requires_grad_()
-    labels = torch.arange(batch) // 4
+    x = torch.randn(batch, dim, generator=gen).half().to(device).requires_grad_()
+    labels = (torch.arange(batch) // 4).to(device)
     bank = {}
     if ref_rows:
-        bank = dict(ref_embeddings=torch.randn(ref_rows, dim, generator=gen).half(),
-                    ref_labels=torch.arange(ref_rows) // 4)
+        bank = dict(ref_embeddings=torch.randn(ref_rows, dim, generator=gen).half().to(device),
+                    ref_labels=(torch.arange(ref_rows) // 4).to(device))
 
     def step():
         x.grad = None
@@ -37,9 +34,10 @@ def step_function(batch, ref_rows, dim):
     return step
 
 
-def host_time(step, steps):
+def host_time(step, steps, synchronize):
     times = []
     for _ in range(steps):
+        synchronize()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -53,25 +51,36 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the host's work is one thread's
-    triton_ms_loss.Launch.__call__ = lambda launch: None
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: CPU tensors are taken
+    import torch
+    from benchmark import machine_info
+    from ms_loss_cuda import ops
+    from ms_loss_cuda.triton_kernels import ms_loss as triton_ms_loss
+
+    synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the host's work is one thread's
+        triton_ms_loss.Launch.__call__ = lambda launch: None
     traced = ops._traced
     paths = {"eager": traced, "custom-ops": lambda: True}
     results = {}
     for case, ref_rows in (("self", None), ("memory bank", args.ref_rows)):
-        step = step_function(args.batch, ref_rows, args.dim)
+        step = step_function(args.batch, ref_rows, args.dim, args.device)
         rounds = {path: [] for path in paths}
         for _ in range(args.rounds):
             for path, choice in paths.items():
                 ops._traced = choice
                 for _ in range(10):  # warm-up
                     step()
-                rounds[path].append(host_time(step, args.steps))
+                rounds[path].append(host_time(step, args.steps, synchronize))
         ops._traced = traced
         results[case] = {path: [round(t * 1e3, 3) for t in times] for path, times in rounds.items()}
-    lines = [f"host time of one eager triton step, launches stubbed, float16, B = {args.batch}, "
+    stubbed = ", launches stubbed" if args.device == "cpu" else ""
+    lines = [f"host time of one eager triton step on {args.device}{stubbed}, float16, B = {args.batch}, "
              f"R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms, median of {args.steps} steps, "
              f"{args.rounds} alternating rounds"]
     for case, by_path in results.items():
