@@ -189,6 +189,7 @@ class _UnitRows(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
+    @ops.fixed_signature
     def forward(t):
         return t / _row_norms(t).to(t.dtype)
 

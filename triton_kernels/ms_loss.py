@@ -399,8 +399,14 @@ class Launch(NamedTuple):
                                num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+def _cdiv(a, b):
+    """ceil(a / b) for the launch plans: triton.cdiv does the same behind a constexpr-function wrapper
+    that cost a step's host 26 us over its 11 calls (bench/host_time.py, CPU)."""
+    return -(-a // b)
+
+
 def _pow2_at_least_16(n):
-    return max(16, triton.next_power_of_2(max(n, 1)))
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
@@ -530,10 +536,10 @@ def column_splits(row_programs, num_cols, block_n, multiprocessors):
     least two per multiprocessor (a memory bank of B = 1024 has only 8 row blocks), each split a
     whole number of BLOCK_N tiles and none empty. The splits' partial results are combined in a
     fixed order afterwards (no atomic additions: the same bits on every run)."""
-    col_tiles = max(triton.cdiv(num_cols, block_n), 1)
-    wanted = min(triton.cdiv(2 * multiprocessors, max(row_programs, 1)), col_tiles)
+    col_tiles = max(_cdiv(num_cols, block_n), 1)
+    wanted = min(_cdiv(2 * multiprocessors, max(row_programs, 1)), col_tiles)
     tiles_per_split = max(col_tiles // wanted, 1)
-    return triton.cdiv(col_tiles, tiles_per_split), tiles_per_split * block_n
+    return _cdiv(col_tiles, tiles_per_split), tiles_per_split * block_n
 
 
 def positive_ranges(row_keys, col_keys, block_m, self_case):
@@ -583,7 +589,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability))
-    row_programs = triton.cdiv(num_x, config["BLOCK_M"])
+    row_programs = _cdiv(num_x, config["BLOCK_M"])
     row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"],
                                                                               ref is None)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
@@ -631,7 +637,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
                    if ref is not None and ref_grad else norm)  # (else never read: any pointer will do)
     block = 1024
-    scales = Launch(_scales_kernel, (triton.cdiv(num_x, block),),
+    scales = Launch(_scales_kernel, (_cdiv(num_x, block),),
                     dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0),  # ("mean": one value, expanded)
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
@@ -640,14 +646,14 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                          COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
-    grid_d = triton.cdiv(dim, config["BLOCK_D"])
+    grid_d = _cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
     shared = dict(stats_ptr=stats, scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
                   alpha=alpha, beta=beta, base=base, epsilon=epsilon)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
 
     def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
-        row_programs = triton.cdiv(rows.shape[0], config["BLOCK_M"])
+        row_programs = _cdiv(rows.shape[0], config["BLOCK_M"])
         splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
                                                multiprocessors)
         out = torch.empty_like(rows) if splits == 1 else rows.new_empty((splits, *rows.shape), dtype=torch.float32)
@@ -682,14 +688,14 @@ def plan_cost(launches, num_x, num_ref, dim):
         if "A_ANCHORS" in c:
             name += "[dx]" if c["A_ANCHORS"] else "[dref]"
         programs[name] = grid[0] * grid[1] * grid[2]
-        s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * triton.cdiv(args["dim"], c["BLOCK_K"])
+        s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * _cdiv(args["dim"], c["BLOCK_K"])
         per_tile = s_tile + (2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"] if "BLOCK_D" in c else 0)
         if "range_ptr" in args:  # the positive ranges: their tiles, row block by row block
             lengths = (args["range_ptr"][:, 1] - args["range_ptr"][:, 0]).tolist()
-            flops += per_tile * sum(triton.cdiv(n, c["BLOCK_N"]) for n in lengths)
+            flops += per_tile * sum(_cdiv(n, c["BLOCK_N"]) for n in lengths)
             continue
         columns, per_split = args.get("num_ref", args.get("num_b")), args["cols_per_split"]
-        tiles = sum(triton.cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
+        tiles = sum(_cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
         flops += per_tile * tiles * grid[0] * (grid[1] if "BLOCK_D" in c else 1)
     return {"gemms": flops / max(2 * num_x * num_ref * dim, 1), "programs": programs}
 
