@@ -99,6 +99,9 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
             grad_x, grad_ref = backward_fn(
                 grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
             )
+            inputs = x if x.requires_grad else ref
+            if torch.is_grad_enabled() and inputs is not None and inputs.requires_grad:  # create_graph=True
+                grad_x, grad_ref = _FirstDerivativeOnly.apply(inputs, grad_x, grad_ref)
             grad_ref = grad_ref if ref_grad else None
             return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
         return backward
@@ -115,6 +118,21 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
         return traced_forward(*inputs) if _traced() else Eager.apply(*inputs)
 
     return fused_forward
+
+
+class _FirstDerivativeOnly(torch.autograd.Function):
+    """Copies of a fused backward's gradients, tied to the embeddings, so that differentiating them
+    again (create_graph=True, then a second backward) raises: autograd would see no graph behind the
+    kernels' gradients and leave their share out of the second derivative without a word."""
+
+    @staticmethod
+    def forward(ctx, inputs, *grads):
+        return tuple(grad.clone() for grad in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("the fused backends (cpu, triton, cuda) have no second derivative; use "
+                           "backend='reference' to differentiate the loss twice")
 
 
 def fixed_signature(fn):

@@ -181,6 +181,23 @@ def test_unit_rows_second_derivatives_and_vmap():
     torch.testing.assert_close(torch.func.vmap(unit_rows)(batched), torch.nn.functional.normalize(batched, dim=2))
 
 
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if b in available_backends()])
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_fused_backends_refuse_a_second_derivative(backend, with_ref):
+    """create_graph=True gives the exact first derivative; differentiating it again raises (the
+    kernels' backward has no derivative), where it silently left the kernels' share out."""
+    x, labels = make_batch(37, 16, 5, dtype=torch.float32)
+    ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
+    x.requires_grad_()
+    loss = multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend=backend)
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    (plain,) = torch.autograd.grad(multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
+                                                         backend=backend), x)
+    torch.testing.assert_close(grad, plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(grad.square().sum(), x)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a GPU")
 def test_16_bit_embeddings_stay_16_bit_under_autocast():
     from ms_loss_cuda.loss import unit_rows
