@@ -99,9 +99,9 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
             grad_x, grad_ref = backward_fn(
                 grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
             )
-            inputs = x if x.requires_grad else ref
-            if torch.is_grad_enabled() and inputs is not None and inputs.requires_grad:  # create_graph=True
-                grad_x, grad_ref = _FirstDerivativeOnly.apply(inputs, grad_x, grad_ref)
+            embeddings = x if x.requires_grad else ref
+            if torch.is_grad_enabled() and embeddings is not None and embeddings.requires_grad:  # create_graph=True
+                grad_x, grad_ref = _FirstDerivativeOnly.apply(embeddings, grad_x, grad_ref)
             grad_ref = grad_ref if ref_grad else None
             return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
         return backward
@@ -126,7 +126,7 @@ class _FirstDerivativeOnly(torch.autograd.Function):
     kernels' gradients and leave their share out of the second derivative without a word."""
 
     @staticmethod
-    def forward(ctx, inputs, *grads):
+    def forward(ctx, embeddings, *grads):
         return tuple(grad.clone() for grad in grads)
 
     @staticmethod
