@@ -16,30 +16,14 @@ import statistics
 import time
 
 
-def step_function(batch, ref_rows, dim, device):
-    import torch
-    from ms_loss_cuda import multi_similarity_loss
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, dim, generator=gen).half().to(device).requires_grad_()
-    labels = (torch.arange(batch) // 4).to(device)
-    bank = {}
-    if ref_rows:
-        bank = dict(ref_embeddings=torch.randn(ref_rows, dim, generator=gen).half().to(device),
-                    ref_labels=(torch.arange(ref_rows) // 4).to(device))
-
-    def step():
-        x.grad = None
-        multi_similarity_loss(x, labels, backend="triton", **bank).backward()
-    return step
-
-
-def host_time(step, steps, synchronize):
+def host_time(step, x, steps, synchronize):
+    """Median seconds from an idle device until step(x) returns (bench/benchmark.py's steps)."""
     times = []
     for _ in range(steps):
+        x.grad = None
         synchronize()
         start = time.perf_counter()
-        step()
+        step(x)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -57,7 +41,7 @@ def main():
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: CPU tensors are taken
     import torch
-    from benchmark import machine_info
+    from benchmark import HARDNESS, machine_info, make_inputs, step_function
     from ms_loss_cuda import ops
     from ms_loss_cuda.triton_kernels import ms_loss as triton_ms_loss
 
@@ -69,18 +53,20 @@ def main():
     paths = {"eager": traced, "custom-ops": lambda: True}
     results = {}
     for case, ref_rows in (("self", None), ("memory bank", args.ref_rows)):
-        step = step_function(args.batch, ref_rows, args.dim, args.device)
+        x, labels, ref, ref_labels = make_inputs(args.batch, args.dim, HARDNESS["typical"], ref_rows, args.device)
+        x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
+        step = step_function("triton", labels, ref, ref_labels)
         rounds = {path: [] for path in paths}
         for _ in range(args.rounds):
             for path, choice in paths.items():
                 ops._traced = choice
-                for _ in range(10):  # warm-up
-                    step()
-                rounds[path].append(host_time(step, args.steps, synchronize))
+                host_time(step, x, 10, synchronize)  # warm-up
+                rounds[path].append(host_time(step, x, args.steps, synchronize))
         ops._traced = traced
         results[case] = {path: [round(t * 1e3, 3) for t in times] for path, times in rounds.items()}
     stubbed = ", launches stubbed" if args.device == "cpu" else ""
-    lines = [f"host time of one eager triton step on {args.device}{stubbed}, float16, B = {args.batch}, "
+    lines = [f"host time of one eager triton step on {args.device}{stubbed}, float16, P x 4 batches of typical "
+             f"hardness (bench/benchmark.py), B = {args.batch}, "
              f"R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms, median of {args.steps} steps, "
              f"{args.rounds} alternating rounds"]
     for case, by_path in results.items():

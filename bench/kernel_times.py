@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmark import HARDNESS, make_inputs, step_function
+from host_time import host_time
 
 
 def main():
@@ -34,13 +35,7 @@ def main():
             for _ in range(2):  # warm-up: compiles
                 x.grad = None
                 step(x)
-            host = []
-            for _ in range(args.steps):
-                x.grad = None
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                step(x)
-                host.append(time.perf_counter() - start)
+            host = host_time(step, x, args.steps, torch.cuda.synchronize)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
@@ -53,7 +48,7 @@ def main():
             kernels.sort(key=lambda e: -e.device_time_total)
             total = sum(e.device_time_total for e in kernels) / args.steps / 1e3
             print(f"\n== {provider} {args.dtype} {shape}: wall {wall * 1e3:.3f} ms/step, kernels {total:.3f} ms/step, "
-                  f"host {sorted(host)[len(host) // 2] * 1e3:.3f} ms/step")
+                  f"host {host * 1e3:.3f} ms/step")
             for e in kernels[:12]:
                 print(f"  {e.device_time_total / args.steps / 1e3:8.3f} ms  x{e.count // args.steps:<3} {e.key[:90]}")
 

@@ -444,7 +444,7 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
     backward (normalised 16-bit rows, "mean") issues 5 kernel launches and at most `most` other ops,
-    as many as today's build (89 and 111 before the trim; the kernels are stubbed out: this counts the
+    as many as today's build (71 and 80 before the trim; the kernels are stubbed out: this counts the
     host's work only)."""
     launched = []
     monkeypatch.setattr(triton_kernels.ms_loss.Launch, "__call__", lambda launch: launched.append(launch.kernel))
