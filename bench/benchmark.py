@@ -4,7 +4,9 @@ Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact me
 `matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
 four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
 `cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
-per step; CUDA only), and `pml` (pytorch-metric-learning's MultiSimilarityLoss +
+per step; CUDA only), `triton-chunked` and `triton-chunked-graph` (the same with the triton
+backend's chunked backward: pair weights to memory 64 MiB at a time, the second product by cuBLAS;
+not shipped until a GPU run has timed it), and `pml` (pytorch-metric-learning's MultiSimilarityLoss +
 MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
@@ -35,10 +37,11 @@ import subprocess
 import sys
 import time
 
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", "triton", "triton-graph", "cuda", "pml")
-FUSED = ("cpu", "triton", "triton-graph", "cuda")
+TRITON = ("triton", "triton-graph", "triton-chunked", "triton-chunked-graph")
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, "cuda", "pml")
+FUSED = ("cpu", *TRITON, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"),
-                     "cuda": ("matmul4", "reference", "triton", "triton-graph", "cuda", "pml")}
+                     "cuda": ("matmul4", "reference", *TRITON, "cuda", "pml")}
 HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
 PER_CLASS = 4
 
@@ -83,10 +86,29 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
         return lambda x: loss(x, labels, miner(x, labels, ref, ref_labels), ref, ref_labels).backward()
     import ms_loss_cuda
 
-    if provider == "triton-graph":
-        return graphed(step_function("triton", labels, ref, ref_labels, mining))
+    if provider.endswith("-graph"):
+        return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining))
+    if provider == "triton-chunked":
+        return chunked(step_function("triton", labels, ref, ref_labels, mining))
     return lambda x: ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
                                                         mining=mining, backend=provider).backward()
+
+
+def chunked(step, budget=64 << 20):
+    """`step` with the triton backend's chunked backward at `budget` bytes of pair weights
+    (triton_kernels.ms_loss.chunked_backward), the shipped table restored after each call."""
+    from ms_loss_cuda.triton_kernels import ms_loss
+
+    table = ms_loss.chunked_backward(budget)
+
+    def run(x):
+        shipped, ms_loss.tile_config = ms_loss.tile_config, table
+        try:
+            step(x)
+        finally:
+            ms_loss.tile_config = shipped
+
+    return run
 
 
 def graphed(step):

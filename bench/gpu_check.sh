@@ -62,7 +62,7 @@ for step in $STEPS; do
     run_step tests 900 $PY -m pytest -q -rs $xdist tests --ignore=tests/test_triton_compile.py \
       --ignore=tests/test_cuda_compile.py -k "not cuda_emulated" --junitxml="$DIR/tests.xml" ;;
   sanitize)
-    for backend in cuda triton; do
+    for backend in cuda triton triton-chunked; do
       run_step "sanitize-$backend-warmup" 300 $PY bench/gpu_sanitize.py --backend $backend  # compiles outside the tools
       for tool in memcheck racecheck synccheck; do
         run_step "sanitize-$backend-$tool" 600 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool \
@@ -79,13 +79,13 @@ for step in $STEPS; do
     done ;;
   kernels)
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
-      --providers triton cuda
+      --providers triton triton-chunked cuda
     run_step host-time 300 $PY bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512 \
       --steps 50 --rounds 3 --out "$DIR/host-time.txt" ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \
-        --kernel-name regex:"_minpos_kernel|_negatives_kernel|_finish_kernel|_grad_kernel|forward_kernel|backward_kernel" \
+        --kernel-name regex:"_minpos_kernel|_negatives_kernel|_finish_kernel|_grad_kernel|_weights_kernel|forward_kernel|backward_kernel" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section SchedulerStats --section WarpStateStats $PY -c "
 import torch, ms_loss_cuda

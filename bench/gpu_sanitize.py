@@ -1,7 +1,9 @@
 """Small forward+backward cases of every GPU kernel, for compute-sanitizer (bench/gpu_check.sh runs
 this under memcheck, racecheck and synccheck): each dtype, the self case, a reference set with
 and without a gradient (a memory bank takes none), mining on and off, partial row/column/K tiles
-and column splits (B = 97, R = 151, D = 130). Exits non-zero when a result is not finite.  Usage: python bench/gpu_sanitize.py --backend triton|cuda
+and column splits (B = 97, R = 151, D = 130); triton-chunked: the triton backend with its chunked
+backward, one tile row (or column) of weights per chunk. Exits non-zero when a result is not finite.
+Usage: python bench/gpu_sanitize.py --backend triton|triton-chunked|cuda
 """
 import argparse
 
@@ -12,8 +14,13 @@ import ms_loss_cuda
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", required=True, choices=("triton", "cuda"))
+    parser.add_argument("--backend", required=True, choices=("triton", "triton-chunked", "cuda"))
     args = parser.parse_args()
+    if args.backend == "triton-chunked":
+        from ms_loss_cuda.triton_kernels import ms_loss
+
+        ms_loss.tile_config = ms_loss.chunked_backward(1)
+    backend = args.backend.split("-")[0]
     gen = torch.Generator().manual_seed(0)
     batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -25,7 +32,7 @@ def main():
                 if with_ref:
                     ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(with_ref is True)
                     extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())
-                loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=args.backend, **extra)
+                loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=backend, **extra)
                 grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if with_ref is True else []))
                 torch.cuda.synchronize()
                 finite = torch.isfinite(loss).item() and all(torch.isfinite(g).all().item() for g in grads)

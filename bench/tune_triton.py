@@ -1,5 +1,6 @@
 """A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
-each candidate's forward (mining + log-sum-exp launches) and backward launches are timed separately
+each candidate's forward (mining + log-sum-exp launches) and backward launches (the fused form's
+tiles, and the chunked form: config = [budget in bytes, weights tiles]) are timed separately
 (median of CUDA-event timings), and their result (stats, or grad_x) is compared with the shipped
 entry's, on the self case B = 16384, D = 512, for each dtype, and on the memory-bank shape
 1024 x 262144 for the first dtype. The winners go into tile_config by hand, so that no user pays for
@@ -10,6 +11,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -29,6 +31,17 @@ BACKWARD = {
     "float32": [(64, 16, 32, 64, 4, 1), (64, 32, 32, 64, 4, 2), (64, 32, 32, 128, 8, 2), (128, 32, 32, 64, 8, 1),
                 (64, 16, 32, 128, 8, 1), (32, 32, 32, 64, 4, 2)],
 }
+# the chunked backward (pair weights to memory, cuBLAS for the second product: tk.chunked_backward),
+# timed beside the fused entries: (budget of weights in bytes, _weights_kernel tiles or None for the
+# table's) for 16-bit; float32 only at the table's tiles
+class Chunked(NamedTuple):
+    budget: int
+    tiles: Optional[tuple] = None
+
+
+CHUNKED = {"16-bit": [Chunked(64 << 20), Chunked(16 << 20), Chunked(256 << 20), Chunked(64 << 20, (64, 64, 64, 4, 3)),
+                      Chunked(64 << 20, (128, 64, 32, 8, 4))],
+           "float32": [Chunked(64 << 20), Chunked(256 << 20)]}
 SHIPPED = tk.tile_config
 
 
@@ -40,6 +53,17 @@ def override(kind, values):
     def config(k, dtype, dim, interpret=False, capability=(9, 0)):
         shipped = SHIPPED(k, dtype, dim, interpret, capability)
         return dict(shipped, **dict(zip(names, values))) if k == kind else shipped
+
+    return config
+
+
+def chunked(budget, tiles):
+    """tile_config with the chunked backward at `budget` bytes, its weights kernel on `tiles`."""
+    table = tk.chunked_backward(budget, SHIPPED)
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+    def config(kind, *args, **kwargs):
+        return dict(table(kind, *args, **kwargs), **(dict(zip(names, tiles)) if kind == "weights" and tiles else {}))
 
     return config
 
@@ -95,8 +119,8 @@ def main():
                 first = tuple(shipped[n] for n in names)
                 candidates = [first] + [c for c in candidates if c != first]
                 expected = None  # the shipped entry's result: every candidate must compute the same
-                for values in candidates[:args.candidates]:
-                    tk.tile_config = override(kind, values)
+                for values in candidates[:args.candidates] + (CHUNKED[group] if kind == "backward" else []):
+                    tk.tile_config = chunked(*values) if isinstance(values, Chunked) else override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, kind=kind, config=values)
                     try:
                         start = time.perf_counter()
@@ -108,7 +132,7 @@ def main():
                             for launch in forward:
                                 launch()
                             grad_x, _, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands,
-                                                                   *hyper)
+                                                                   *hyper, ref_grad=False)  # (a bank takes none)
                             record["ms"] = timed(backward)
                             result = grad_x.float().sum(0) if grad_x.dim() == 3 else grad_x.float()
                         record["wall_s"] = time.perf_counter() - start

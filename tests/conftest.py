@@ -58,8 +58,10 @@ def build_case(case, batch, dim, dtype, seed=0, labels_dtype=torch.int64):
     return kwargs
 
 
-def loss_and_grads(kwargs, backend, grad_output, **options):
-    inputs = [kwargs["embeddings"]] + ([kwargs["ref_embeddings"]] if "ref_embeddings" in kwargs else [])
+def loss_and_grads(kwargs, backend, grad_output, ref_grad=True, **options):
+    """The loss and the gradients of the embeddings (and of the reference set, when there is one and
+    ref_grad)."""
+    inputs = [kwargs["embeddings"]] + ([kwargs["ref_embeddings"]] if "ref_embeddings" in kwargs and ref_grad else [])
     inputs = [t.detach().clone().requires_grad_() for t in inputs]
     call = dict(kwargs, embeddings=inputs[0], **options)
     if len(inputs) == 2:
@@ -75,16 +77,18 @@ def to(kwargs, device, float_dtype=None):
             for k, v in kwargs.items()}
 
 
-def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cpu", rtol=None, **options):
+def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cpu", rtol=None, ref_grad=True,
+                            **options):
     """`backend` on `kwargs` (moved to `device`) against the float64 reference on CPU: loss and
-    gradients with a grad_output other than 1, within TOLERANCE[dtype] (or rtol)."""
+    gradients with a grad_output other than 1, within TOLERANCE[dtype] (or rtol); without ref_grad
+    the reference set takes no gradient (a memory bank)."""
     def grad_output(loss):  # not 1: a scalar 0.7, or a random vector for "none"
         gen = torch.Generator().manual_seed(11)
         out = torch.full(loss.shape, 0.7) if loss.dim() == 0 else torch.randn(loss.shape, generator=gen)
         return out.to(loss.device, loss.dtype)
 
-    loss, grads = loss_and_grads(to(kwargs, device), backend, grad_output, reduction=reduction, **options)
-    ref_loss, ref_grads = loss_and_grads(to(kwargs, "cpu", torch.float64), "reference", grad_output,
+    loss, grads = loss_and_grads(to(kwargs, device), backend, grad_output, ref_grad, reduction=reduction, **options)
+    ref_loss, ref_grads = loss_and_grads(to(kwargs, "cpu", torch.float64), "reference", grad_output, ref_grad,
                                          reduction=reduction, **options)
     assert loss.dtype == dtype  # the embeddings' dtype, as torch's losses
     for g, t in zip(grads, [kwargs["embeddings"], kwargs.get("ref_embeddings")]):

@@ -181,11 +181,18 @@ def test_unit_rows_second_derivatives_and_vmap():
     torch.testing.assert_close(torch.func.vmap(unit_rows)(batched), torch.nn.functional.normalize(batched, dim=2))
 
 
-@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if b in available_backends()])
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton", "triton_chunked")
+                                     if b.split("_")[0] in available_backends()])
 @pytest.mark.parametrize("with_ref", [False, True])
-def test_fused_backends_refuse_a_second_derivative(backend, with_ref):
+def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatch):
     """create_graph=True gives the exact first derivative; differentiating it again raises (the
-    kernels' backward has no derivative), where it silently left the kernels' share out."""
+    kernels' backward has no derivative), where it silently left the kernels' share out.
+    triton_chunked: the triton backend's chunked backward (its cuBLAS products under grad mode)."""
+    if backend == "triton_chunked":
+        from ms_loss_cuda.triton_kernels import ms_loss
+
+        monkeypatch.setattr(ms_loss, "tile_config", ms_loss.chunked_backward(1))
+        backend = "triton"
     x, labels = make_batch(37, 16, 5, dtype=torch.float32)
     ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
     x.requires_grad_()

@@ -1,7 +1,8 @@
 """The Triton plans' work, counted from the launch plans themselves (triton_kernels.plan_cost): how
 many GEMM-equivalents (one = 2 * B * R * D flops) a forward + backward does, and how many programs
-each launch that walks every column has on a 132-multiprocessor H100. No GPU needed: the plans are
-made for CPU tensors with the GPU tile table (interpret=False)."""
+each launch that walks every column has on a 132-multiprocessor H100, for the fused backward and
+the chunked one. No GPU needed: the plans are made for CPU tensors with the GPU tile table
+(interpret=False)."""
 import pytest
 import torch
 
@@ -11,9 +12,9 @@ H100 = 132
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float32-tf32": torch.float32}
 
 
-def _cost(batch, dim, dtype_name, ref_rows=None, mining=True, ref_grad=True, per_class=4):
+def _cost(batch, dim, dtype_name, ref_rows=None, mining=True, ref_grad=True, per_class=4, with_plan=False):
     """plan_cost of a P x M batch (per_class samples a class) against itself or a memory bank of
-    ref_rows rows drawn from the same and other classes."""
+    ref_rows rows drawn from the same and other classes (and the backward's launches)."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if dtype_name.endswith("tf32") else "highest")
     try:
@@ -28,7 +29,8 @@ def _cost(batch, dim, dtype_name, ref_rows=None, mining=True, ref_grad=True, per
                                                         interpret=False, multiprocessors=H100)
         *_, backward = triton_kernels.backward_plan(torch.ones(batch), stats, x, labels, None, ref, ref_labels, None,
                                                     *hyper, ref_grad=ref_grad, interpret=False, multiprocessors=H100)
-        return triton_kernels.plan_cost(forward + backward, batch, batch if ref is None else ref_rows, dim)
+        cost = triton_kernels.plan_cost(forward + backward, batch, batch if ref is None else ref_rows, dim)
+        return (cost, backward) if with_plan else cost
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -94,3 +96,46 @@ def test_launches_fill_an_h100(batch, ref_rows):
     walking = {k: v for k, v in cost["programs"].items() if k.startswith(("_negatives", "_grad"))}
     assert len(walking) == (2 if ref_rows is None else 3)
     assert all(programs >= 2 * H100 for programs in walking.values()), cost["programs"]
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("batch,ref_rows,limit", [(16384, None, 3.1), (4096, None, 3.1), (1024, 1048576, 3.01),
+                                                 (256, 65536, 3.01)])
+def test_the_chunked_backward_does_the_same_work_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, limit):
+    """Weights to memory chunk by chunk, then cuBLAS: S once and one product, as the fused form; the
+    weights buffer within its budget; every weights launch fills an H100 twice over."""
+    monkeypatch.setattr(triton_kernels.ms_loss, "tile_config", triton_kernels.ms_loss.chunked_backward(64 * MIB))
+    cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=False, with_plan=True)
+    assert cost["gemms"] <= limit, cost
+    assert cost["programs"]["_weights_kernel"] >= 2 * H100, cost["programs"]
+    buffers = {launch.args["w_ptr"].data_ptr(): launch.args["w_ptr"] for launch in backward
+               if getattr(launch, "args", {}).get("w_ptr") is not None}
+    assert len(buffers) == 1  # one buffer, reused by every chunk
+    (w,) = buffers.values()
+    assert w.numel() * w.element_size() <= 64 * MIB
+    products = [step for step in backward if isinstance(step, triton_kernels.ms_loss.Product)]
+    several = batch * (ref_rows or batch) * w.element_size() > 64 * MIB
+    assert len(products) == sum(launch.kernel.fn.__name__ == "_weights_kernel" for launch in backward
+                                if isinstance(launch, triton_kernels.ms_loss.Launch)) >= (2 if several else 1)
+
+
+def test_a_reference_set_that_takes_a_gradient_keeps_the_fused_backward(monkeypatch):
+    monkeypatch.setattr(triton_kernels.ms_loss, "tile_config", triton_kernels.ms_loss.chunked_backward(64 * MIB))
+    cost = _cost(1024, 512, "float16", ref_rows=65536, ref_grad=True)
+    assert {"_grad_kernel[dx]", "_grad_kernel[dref]"} <= set(cost["programs"]) and cost["gemms"] <= 5.01
+
+
+@pytest.mark.parametrize("total,block,other,budget", [(16384, 128, 16384, 64 * MIB), (16384, 128, 16384, 1),
+                                                      (1000, 64, 3, 10 ** 9), (1048576, 128, 1024, 64 * MIB),
+                                                      (300, 128, 1000, 3 * 128 * 1000 * 2 - 1), (0, 64, 5, 1)])
+def test_chunks_cover_everything_once_within_the_budget(total, block, other, budget):
+    chunks = triton_kernels.ms_loss._chunks(total, block, other, 2, budget)
+    assert [begin for begin, _ in chunks] == [end for _, end in [(0, 0)] + chunks[:-1]][:len(chunks)]
+    assert (chunks[-1][1] if chunks else 0) == total
+    sizes = [end - begin for begin, end in chunks]
+    assert all(size % block == 0 for size in sizes[:-1]) and len(set(sizes[:-1])) <= 1
+    assert all(size * other * 2 <= max(budget, block * other * 2) for size in sizes)
+    assert len(chunks) == (0 if total == 0 else -(-total // max(budget // (other * 2) // block * block, block)))

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, ms_loss
 
 TARGETS = {80: "sm_80", 90: "sm_90a"}
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
@@ -34,7 +34,7 @@ TF32_DIMS = (32, 130, 512)
 
 def launches(dtype_name, dim, mining, skip, cc):
     """The dispatcher's launches (GPU configurations of compute capability cc) for the self and the
-    reference-set case."""
+    reference-set case, with the fused and the chunked backward (its cuBLAS products left out)."""
     torch.set_float32_matmul_precision("high" if dtype_name.endswith("-tf32") else "highest")
     dtype = getattr(torch, dtype_name.split("-")[0])
     x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
@@ -46,10 +46,20 @@ def launches(dtype_name, dim, mining, skip, cc):
         _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False, capability=capability)
         *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
                                      capability=capability)
-        for launch in forward + backward:
+        shipped = ms_loss.tile_config
+        ms_loss.tile_config = ms_loss.chunked_backward(64 << 20)
+        try:
+            *_, chunked = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
+                                        ref_grad=False, interpret=False, capability=capability)
+        finally:
+            ms_loss.tile_config = shipped
+        for launch in forward + backward + chunked:
+            if not isinstance(launch, ms_loss.Launch):
+                continue
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
             name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
+            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']}]"
             found.setdefault(name, launch)  # the forward kernels are the same in both cases
     return found
 

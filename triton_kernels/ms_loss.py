@@ -16,6 +16,13 @@ over all columns:
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomic additions, the same bits on every run.
+- the chunked backward (`CHUNK_BYTES` > 0 in tile_config's backward entry; self case and memory
+  banks): `_weights_kernel` writes H (lifted, in the input dtype) for a chunk of anchor rows against
+  all columns (self case) or for all anchors against a chunk of the bank's rows, into one buffer of
+  at most CHUNK_BYTES reused by every chunk, and cuBLAS makes the second product (`Product`: float32
+  sums and result). The same 2 GEMM-equivalents as _grad_kernel, plus the weights written and read
+  once, but the 512-wide accumulator that holds _grad_kernel to one 8-warp program per
+  multiprocessor goes to cuBLAS. A reference set that takes a gradient keeps the fused launches.
 `plan_cost` counts the work of a plan's launches in GEMM-equivalents.
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
@@ -29,9 +36,12 @@ the tile table have only been compiled. Came after those runs, so interpreted an
 the sync-free positive lists (`positive_ranges`, `_positive_columns`; part of the test suite ran
 them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats loader for two
 kernels), the strided grad_output of `_scales_kernel`, and the eager path that skips the custom
-ops' dispatch (ms_loss_cuda/ops.py). Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU
-tensors (tests/test_gpu_backends.py), and the PTX/ptxas facts of every shipped configuration
-compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
+ops' dispatch (ms_loss_cuda/ops.py); and the chunked backward, which is not the default until a GPU
+run has timed it (bench/tune_triton.py and the benchmark's triton-chunked providers do; its
+torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
+TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
+its own), and the PTX/ptxas facts of every shipped configuration and of the chunked backward's
+kernel compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
 import os
@@ -102,6 +112,15 @@ def _pair_weights(s, positive, negative, lp, ln, alpha, beta, base):
     class picks the exponent."""
     w = tl.exp(tl.where(positive, -alpha * (s - base) - lp, beta * (s - base) - ln))
     return tl.where(positive, -w, tl.where(negative, w, 0.0))
+
+
+@triton.jit
+def _scaled_weights(s, positive, negative, minpos, maxneg, lp, ln, scale, alpha, beta, base, epsilon,
+                    MINING: tl.constexpr):
+    """scale x dL/dS of the anchors at one end of the pairs: their stats come as [M, 1] columns (row
+    anchors) or [1, N] rows (column anchors)."""
+    p, n = _mined_sets(s, positive, negative, minpos, maxneg, epsilon, MINING)
+    return scale * _pair_weights(s, p, n, lp, ln, alpha, beta, base)
 
 
 # ---- tiles ----------------------------------------------------------------------------------
@@ -365,14 +384,14 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                                            col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if A_ANCHORS:
-            p, n = _mined_sets(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], epsilon, MINING)
-            h += scale_i[:, None] * _pair_weights(s, p, n, lp_i[:, None], ln_i[:, None], alpha, beta, base)
+            h += _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None],
+                                 ln_i[:, None], scale_i[:, None], alpha, beta, base, epsilon, MINING)
         if B_ANCHORS:  # classes are symmetric; the column anchors' own stats decide their sets
             if not EARLY_COLUMN_TERMS:
                 minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
                     stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
-            p, n = _mined_sets(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], epsilon, MINING)
-            h += scale_j[None, :] * _pair_weights(s, p, n, lp_j[None, :], ln_j[None, :], alpha, beta, base)
+            h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
+                                 ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
         b = tl.load(b_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
         if UPCAST:
@@ -382,6 +401,37 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     out_ptr += tl.program_id(2).to(tl.int64) * num_a * dim
     tl.store(out_ptr + rows[:, None].to(tl.int64) * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ds[None, :] < dim))
+
+
+@triton.jit
+def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
+                    row_scale_ptr, w_ptr, w_stride, row_begin, row_end, col_begin, col_end, num_anchors, dim,
+                    alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                    B_ANCHORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
+    anchors, and so are b's when B_ANCHORS), times row_scale, written in the input dtype to
+    w[rows - row_begin, cols - col_begin] for a cuBLAS product (`Product`). Grid: (column blocks, row
+    blocks), the longer axis first (CUDA allows 65535 on the second)."""
+    rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < col_end
+    label_i, id_i = _load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
+    s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
+                                       col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
+        stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
+    h = _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None], ln_i[:, None],
+                        scale_i[:, None], alpha, beta, base, epsilon, MINING)
+    if B_ANCHORS:
+        minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
+            stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
+        h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
+                             ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
+    h *= tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)[:, None]
+    offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
+    tl.store(w_ptr + offsets, h.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ---- launch plans -----------------------------------------------------------------------------
@@ -399,6 +449,44 @@ class Launch(NamedTuple):
                                num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+class Product(NamedTuple):
+    """A step of the chunked backward: out (float32) = w @ b by cuBLAS (or out += w @ b); the rows of
+    w come lifted by row_scale (see _scales_kernel) and leave multiplied by norm / row_scale."""
+    w: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+    norm: torch.Tensor
+    row_scale: torch.Tensor
+    accumulate: bool
+
+    def __call__(self):
+        # (a backward under create_graph=True runs with grad mode on and b may require a gradient;
+        # autocast would turn the float32 product into a 16-bit one)
+        with torch.no_grad(), torch.autocast(self.w.device.type, enabled=False):
+            if self.w.dtype == torch.float32:  # IEEE or TF32, as torch's float32 matmul precision says
+                product = self.w @ self.b
+            elif self.w.is_cuda:  # 16-bit tensor cores, float32 sums and result (torch >= 2.8)
+                product = torch.mm(self.w, self.b, out_dtype=torch.float32)
+            else:  # CPU tensors (the interpreter's tests): the same float32 sums of the 16-bit values
+                product = self.w.float() @ self.b.float()
+            unlift = (self.norm / self.row_scale)[:, None]
+            if self.accumulate:
+                self.out.addcmul_(product, unlift)
+            else:
+                torch.mul(product, unlift, out=self.out)
+
+
+def _chunks(total, block, other, element_size, budget):
+    """[begin, end) chunks of `total` rows (or columns) of equal size, whole `block`s, as few as keep a
+    weights buffer [chunk, other] within `budget` bytes (one block at the least)."""
+    if total == 0:
+        return []
+    most = max(budget // max(other * element_size, 1) // block, 1) * block
+    count = _cdiv(total, most)
+    size = _cdiv(_cdiv(total, count), block) * block
+    return [(begin, min(begin + size, total)) for begin in range(0, total, size)]
+
+
 def _cdiv(a, b):
     """ceil(a / b) for the launch plans: triton.cdiv does the same behind a constexpr-function wrapper
     that cost a step's host 26 us over its 11 calls (bench/host_time.py, CPU)."""
@@ -410,8 +498,8 @@ def _pow2_at_least_16(n):
 
 
 def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
-    """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward"), dtype, D and the
-    GPU's compute capability.
+    """Tile sizes, warps and pipeline stages per kernel kind ("forward", "backward", "weights": the
+    chunked backward's _weights_kernel), dtype, D and the GPU's compute capability.
 
     From sweeps on an H100 (bench/tune_triton.py, B = 16384, D = 512, 2026-11-22; results in
     bench/results/gpu/). 16-bit forward: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3
@@ -429,10 +517,19 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     at B = 16384 on the H100, against 159 ms in IEEE float32).
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
+    The backward entry's CHUNK_BYTES picks its form: 0, the fused _grad_kernel; else the chunked
+    form at that budget of pair weights (`backward_plan`), not timed on a GPU yet, so 0 everywhere.
+    The weights kernel takes the forward's tiles, but 128 x 64 in 16-bit: with the anchor statistics
+    of both ends 128 x 128 spills 200-800 bytes (199 registers on sm_90 at 128 x 64).
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
     and 9.0) by the tests.
     """
     precision = float32_precision() if dtype == torch.float32 else "tf32"  # (unused for 16-bit)
+    if kind == "weights":
+        config = tile_config("forward", dtype, dim, interpret, capability)
+        if dtype != torch.float32 and not interpret:
+            config["BLOCK_N"] = 64
+        return config
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
     elif dtype == torch.float32 and precision == "tf32":  # not tuned yet: 16-bit shapes, half the K depth
@@ -452,9 +549,17 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
+        config["CHUNK_BYTES"] = 0  # the fused form everywhere until a GPU run has timed the chunked one
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
     return config
+
+
+def chunked_backward(budget, table=tile_config):
+    """`table` (the shipped tile_config) with the chunked backward at `budget` bytes of weights: for the
+    tests, the ahead-of-time checks and the GPU sweeps, until a GPU run decides which form ships."""
+    return lambda kind, *args, **kwargs: dict(table(kind, *args, **kwargs),
+                                              **({"CHUNK_BYTES": budget} if kind == "backward" else {}))
 
 
 def float32_precision():
@@ -646,10 +751,18 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                          COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
+    chunk_bytes = config.pop("CHUNK_BYTES")
+    shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
+                  epsilon=epsilon)
+    if chunk_bytes and (ref is None or not ref_grad):
+        weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
+                            b_ids_ptr=b_ids, row_scale_ptr=anchor_scale)
+        tiles = dict(tile_config("weights", a.dtype, dim, interpret, capability), MINING=mining,
+                     SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None)
+        grad_x, steps = _chunked_steps(a, b, weights_args, tiles, norm, anchor_scale, chunk_bytes, ref is None)
+        return grad_x, x.new_empty((0,)), [scales, *steps]
     grid_d = _cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
-    shared = dict(stats_ptr=stats, scale_ptr=scale, norm_ptr=norm, num_anchors=num_x, dim=dim,
-                  alpha=alpha, beta=beta, base=base, epsilon=epsilon)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
 
     def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
@@ -658,7 +771,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                                                multiprocessors)
         out = torch.empty_like(rows) if splits == 1 else rows.new_empty((splits, *rows.shape), dtype=torch.float32)
         args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
-                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out,
+                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, norm_ptr=norm,
                     row_scale_ptr=anchor_scale if a_anchors else column_lift,  # (a reference set's rows: one lift)
                     num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split, **shared)
         return out, Launch(_grad_kernel, (row_programs, grid_d, splits), args,
@@ -674,25 +787,60 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     return grad_x, grad_ref, [scales, launch_x, launch_ref]
 
 
+def _chunked_steps(a, b, weights_args, tiles, norm, lift, budget, self_case):
+    """grad_x (float32) and the steps of the chunked backward: _weights_kernel writes the lifted pair
+    weights of a chunk into one buffer of at most `budget` bytes, and `Product` multiplies them by
+    cuBLAS. Self case: chunks of anchor rows against all columns, each writing its rows of dx once;
+    memory bank: all anchors against chunks of the bank's rows, dx summed over them in order."""
+    tiles, warps, stages = _split(tiles)
+    (num_x, dim), num_b = a.shape, b.shape[0]
+    if self_case:
+        rectangles = [((begin, end), (0, num_b))
+                      for begin, end in _chunks(num_x, tiles["BLOCK_M"], num_b, a.element_size(), budget)]
+    else:
+        rectangles = [((0, num_x), (begin, end))
+                      for begin, end in _chunks(num_b, tiles["BLOCK_N"], num_x, a.element_size(), budget)]
+    (first_row, last_row), (first_col, last_col) = rectangles[0] if rectangles else ((0, 0), (0, 0))
+    width = last_col - first_col  # (the first chunk is the largest)
+    w = a.new_empty(last_row - first_row, width + (-width % 8))  # (rows 16-byte aligned for cuBLAS)
+    grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
+    steps = []
+    for (row_begin, row_end), (col_begin, col_end) in rectangles:
+        grid = (_cdiv(col_end - col_begin, tiles["BLOCK_N"]), _cdiv(row_end - row_begin, tiles["BLOCK_M"]))
+        steps.append(Launch(_weights_kernel, grid,
+                            dict(weights_args, w_ptr=w, w_stride=w.stride(0), row_begin=row_begin, row_end=row_end,
+                                 col_begin=col_begin, col_end=col_end), tiles, warps, stages))
+        steps.append(Product(w[:row_end - row_begin, :col_end - col_begin], b[col_begin:col_end],
+                             grad_x[row_begin:row_end], norm, lift[row_begin:row_end], accumulate=col_begin > 0))
+    return grad_x, steps
+
+
 def plan_cost(launches, num_x, num_ref, dim):
     """{"gemms": the launches' multiply-add work in GEMM-equivalents (one = 2 * num_x * num_ref * dim
     flops, a forward X @ R^T), "programs": {kernel: programs of its launch}}, counted from the launch
     plans themselves: grids, tile shapes, the K-steps of every S tile (padding included), each
-    program's column range and, for the positive ranges, their actual lengths."""
+    program's column range and, for the positive ranges, their actual lengths; a chunked backward's
+    cuBLAS products (`Product`) at their shapes, its chunks' programs the fewest of any chunk."""
     flops, programs = 0, {}
     for launch in launches:
+        if isinstance(launch, Product):
+            flops += 2 * launch.w.shape[0] * launch.w.shape[1] * launch.b.shape[1]
+            continue
         c, args, name = launch.constexprs, launch.args, launch.kernel.fn.__name__
         if "BLOCK_N" not in c:
             continue
         grid = launch.grid + (1,) * (3 - len(launch.grid))
         if "A_ANCHORS" in c:
             name += "[dx]" if c["A_ANCHORS"] else "[dref]"
-        programs[name] = grid[0] * grid[1] * grid[2]
+        programs[name] = min(programs.get(name, grid[0] * grid[1] * grid[2]), grid[0] * grid[1] * grid[2])
         s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * _cdiv(args["dim"], c["BLOCK_K"])
         per_tile = s_tile + (2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"] if "BLOCK_D" in c else 0)
         if "range_ptr" in args:  # the positive ranges: their tiles, row block by row block
             lengths = (args["range_ptr"][:, 1] - args["range_ptr"][:, 0]).tolist()
             flops += per_tile * sum(_cdiv(n, c["BLOCK_N"]) for n in lengths)
+            continue
+        if "w_ptr" in args:  # _weights_kernel: one tile a program
+            flops += s_tile * grid[0] * grid[1]
             continue
         columns, per_split = args.get("num_ref", args.get("num_b")), args["cols_per_split"]
         tiles = sum(_cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
@@ -705,7 +853,7 @@ def _run(plan, device, *args):
     *outputs, launches = plan(*args)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for launch in launches:
-            if all(launch.grid):  # an empty grid has nothing to write
+            if not isinstance(launch, Launch) or all(launch.grid):  # an empty grid has nothing to write
                 launch()
     return tuple(outputs)
 
