@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import time
+from unittest import mock
 
 TRITON = ("triton", "triton-graph", "triton-chunked", "triton-chunked-graph")
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, "cuda", "pml")
@@ -94,19 +95,12 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
                                                         mining=mining, backend=provider).backward()
 
 
-def chunked(step, budget=64 << 20):
-    """`step` with the triton backend's chunked backward at `budget` bytes of pair weights
-    (triton_kernels.ms_loss.chunked_backward), the shipped table restored after each call."""
-    from ms_loss_cuda.triton_kernels import ms_loss
-
-    table = ms_loss.chunked_backward(budget)
-
+def chunked(step, mib="64"):
+    """`step` with the triton backend's chunked backward at `mib` MiB of pair weights
+    ($MS_LOSS_TRITON_CHUNK_MB), the environment restored after each call."""
     def run(x):
-        shipped, ms_loss.tile_config = ms_loss.tile_config, table
-        try:
+        with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
             step(x)
-        finally:
-            ms_loss.tile_config = shipped
 
     return run
 

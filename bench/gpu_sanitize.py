@@ -6,6 +6,7 @@ backward, one tile row (or column) of weights per chunk. Exits non-zero when a r
 Usage: python bench/gpu_sanitize.py --backend triton|triton-chunked|cuda
 """
 import argparse
+import os
 
 import torch
 
@@ -17,9 +18,7 @@ def main():
     parser.add_argument("--backend", required=True, choices=("triton", "triton-chunked", "cuda"))
     args = parser.parse_args()
     if args.backend == "triton-chunked":
-        from ms_loss_cuda.triton_kernels import ms_loss
-
-        ms_loss.tile_config = ms_loss.chunked_backward(1)
+        os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "1e-6"  # (1 byte: one tile row or column a chunk)
     backend = args.backend.split("-")[0]
     gen = torch.Generator().manual_seed(0)
     batch, ref_rows, dim = 97, 151, 130

@@ -1,6 +1,6 @@
 """A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
 each candidate's forward (mining + log-sum-exp launches) and backward launches (the fused form's
-tiles, and the chunked form: config = [budget in bytes, weights tiles]) are timed separately
+tiles, and the chunked form: config = [MiB of weights, weights tiles]) are timed separately
 (median of CUDA-event timings), and their result (stats, or grad_x) is compared with the shipped
 entry's, on the self case B = 16384, D = 512, for each dtype, and on the memory-bank shape
 1024 x 262144 for the first dtype. The winners go into tile_config by hand, so that no user pays for
@@ -31,17 +31,19 @@ BACKWARD = {
     "float32": [(64, 16, 32, 64, 4, 1), (64, 32, 32, 64, 4, 2), (64, 32, 32, 128, 8, 2), (128, 32, 32, 64, 8, 1),
                 (64, 16, 32, 128, 8, 1), (32, 32, 32, 64, 4, 2)],
 }
-# the chunked backward (pair weights to memory, cuBLAS for the second product: tk.chunked_backward),
-# timed beside the fused entries: (budget of weights in bytes, _weights_kernel tiles or None for the
-# table's) for 16-bit; float32 only at the table's tiles
+
+
 class Chunked(NamedTuple):
-    budget: int
+    """The chunked backward (pair weights to memory, cuBLAS for the second product) at `mib` MiB of
+    weights, its _weights_kernel on `tiles` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; None: the table's)."""
+    mib: int
     tiles: Optional[tuple] = None
 
 
-CHUNKED = {"16-bit": [Chunked(64 << 20), Chunked(16 << 20), Chunked(256 << 20), Chunked(64 << 20, (64, 64, 64, 4, 3)),
-                      Chunked(64 << 20, (128, 64, 32, 8, 4))],
-           "float32": [Chunked(64 << 20), Chunked(256 << 20)]}
+# timed beside the fused backward entries
+CHUNKED = {"16-bit": [Chunked(64), Chunked(16), Chunked(256), Chunked(64, (64, 64, 64, 4, 3)),
+                      Chunked(64, (128, 64, 32, 8, 4))],
+           "float32": [Chunked(64), Chunked(256)]}
 SHIPPED = tk.tile_config
 
 
@@ -57,13 +59,15 @@ def override(kind, values):
     return config
 
 
-def chunked(budget, tiles):
-    """tile_config with the chunked backward at `budget` bytes, its weights kernel on `tiles`."""
-    table = tk.chunked_backward(budget, SHIPPED)
+def chunked(mib, tiles):
+    """tile_config with the chunked backward of `Chunked(mib, tiles)`."""
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
     def config(kind, *args, **kwargs):
-        return dict(table(kind, *args, **kwargs), **(dict(zip(names, tiles)) if kind == "weights" and tiles else {}))
+        shipped = SHIPPED(kind, *args, **kwargs)
+        if kind == "backward":
+            return dict(shipped, CHUNK_BYTES=mib << 20)
+        return dict(shipped, **dict(zip(names, tiles))) if kind == "weights" and tiles else shipped
 
     return config
 

@@ -107,7 +107,7 @@ MIB = 1 << 20
 def test_the_chunked_backward_does_the_same_work_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, limit):
     """Weights to memory chunk by chunk, then cuBLAS: S once and one product, as the fused form; the
     weights buffer within its budget; every weights launch fills an H100 twice over."""
-    monkeypatch.setattr(triton_kernels.ms_loss, "tile_config", triton_kernels.ms_loss.chunked_backward(64 * MIB))
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
     cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=False, with_plan=True)
     assert cost["gemms"] <= limit, cost
     assert cost["programs"]["_weights_kernel"] >= 2 * H100, cost["programs"]
@@ -123,7 +123,7 @@ def test_the_chunked_backward_does_the_same_work_in_bounded_memory(monkeypatch, 
 
 
 def test_a_reference_set_that_takes_a_gradient_keeps_the_fused_backward(monkeypatch):
-    monkeypatch.setattr(triton_kernels.ms_loss, "tile_config", triton_kernels.ms_loss.chunked_backward(64 * MIB))
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
     cost = _cost(1024, 512, "float16", ref_rows=65536, ref_grad=True)
     assert {"_grad_kernel[dx]", "_grad_kernel[dref]"} <= set(cost["programs"]) and cost["gemms"] <= 5.01
 
@@ -139,3 +139,19 @@ def test_chunks_cover_everything_once_within_the_budget(total, block, other, bud
     assert all(size % block == 0 for size in sizes[:-1]) and len(set(sizes[:-1])) <= 1
     assert all(size * other * 2 <= max(budget, block * other * 2) for size in sizes)
     assert len(chunks) == (0 if total == 0 else -(-total // max(budget // (other * 2) // block * block, block)))
+
+
+@pytest.mark.parametrize("text,expected", [(None, 0), ("", 0), ("0", 0), ("64", 64 * MIB), ("0.5", MIB // 2),
+                                           ("1e-6", 1)])
+def test_the_chunk_budget_comes_from_the_environment(monkeypatch, text, expected):
+    if text is not None:
+        monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", text)
+    assert triton_kernels.ms_loss.chunk_budget() == expected
+    assert triton_kernels.tile_config("backward", torch.float16, 512, interpret=False)["CHUNK_BYTES"] == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "lots"])
+def test_a_bad_chunk_budget_is_refused(monkeypatch, text):
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", text)
+    with pytest.raises(ValueError, match="MS_LOSS_TRITON_CHUNK_MB must be a number of MiB >= 0"):
+        triton_kernels.ms_loss.chunk_budget()

@@ -77,7 +77,7 @@ def target(request, monkeypatch):
     """triton_chunked: the triton backend with the chunked backward (weights to memory, cuBLAS for the
     second product) at a budget of one tile row or column per chunk, so that every case runs several."""
     if request.param == "triton_chunked":
-        monkeypatch.setattr(triton_kernels.ms_loss, "tile_config", triton_kernels.ms_loss.chunked_backward(1))
+        monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
     if request.param.startswith("triton"):
         return Target("triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
                       torch.ops.ms_loss_cuda.triton_backward.default, request.param == "triton_chunked")

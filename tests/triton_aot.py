@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from unittest import mock
 
 import torch
 import triton
@@ -19,7 +20,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, ms_loss
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
+from ms_loss_cuda.triton_kernels.ms_loss import Launch
 
 TARGETS = {80: "sm_80", 90: "sm_90a"}
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
@@ -46,15 +48,11 @@ def launches(dtype_name, dim, mining, skip, cc):
         _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False, capability=capability)
         *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
                                      capability=capability)
-        shipped = ms_loss.tile_config
-        ms_loss.tile_config = ms_loss.chunked_backward(64 << 20)
-        try:
+        with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB="64"):
             *_, chunked = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
                                         ref_grad=False, interpret=False, capability=capability)
-        finally:
-            ms_loss.tile_config = shipped
         for launch in forward + backward + chunked:
-            if not isinstance(launch, ms_loss.Launch):
+            if not isinstance(launch, Launch):
                 continue
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")

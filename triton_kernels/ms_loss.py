@@ -16,10 +16,10 @@ over all columns:
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomic additions, the same bits on every run.
-- the chunked backward (`CHUNK_BYTES` > 0 in tile_config's backward entry; self case and memory
+- the chunked backward (opt-in: $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`; self case and memory
   banks): `_weights_kernel` writes H (lifted, in the input dtype) for a chunk of anchor rows against
   all columns (self case) or for all anchors against a chunk of the bank's rows, into one buffer of
-  at most CHUNK_BYTES reused by every chunk, and cuBLAS makes the second product (`Product`: float32
+  at most that budget reused by every chunk, and cuBLAS makes the second product (`Product`: float32
   sums and result). The same 2 GEMM-equivalents as _grad_kernel, plus the weights written and read
   once, but the 512-wide accumulator that holds _grad_kernel to one 8-warp program per
   multiprocessor goes to cuBLAS. A reference set that takes a gradient keeps the fused launches.
@@ -518,7 +518,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
     The backward entry's CHUNK_BYTES picks its form: 0, the fused _grad_kernel; else the chunked
-    form at that budget of pair weights (`backward_plan`), not timed on a GPU yet, so 0 everywhere.
+    form at that budget of pair weights (`backward_plan`). It is not timed on a GPU yet, so it is
+    opt-in: $MS_LOSS_TRITON_CHUNK_MB (`chunk_budget`).
     The weights kernel takes the forward's tiles, but 128 x 64 in 16-bit: with the anchor statistics
     of both ends 128 x 128 spills 200-800 bytes (199 registers on sm_90 at 128 x 64).
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
@@ -549,17 +550,24 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
-        config["CHUNK_BYTES"] = 0  # the fused form everywhere until a GPU run has timed the chunked one
+        config["CHUNK_BYTES"] = chunk_budget()
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
     return config
 
 
-def chunked_backward(budget, table=tile_config):
-    """`table` (the shipped tile_config) with the chunked backward at `budget` bytes of weights: for the
-    tests, the ahead-of-time checks and the GPU sweeps, until a GPU run decides which form ships."""
-    return lambda kind, *args, **kwargs: dict(table(kind, *args, **kwargs),
-                                              **({"CHUNK_BYTES": budget} if kind == "backward" else {}))
+def chunk_budget():
+    """The chunked backward's budget of pair weights in bytes: $MS_LOSS_TRITON_CHUNK_MB (MiB, a
+    fraction allowed), 0 when unset, which keeps the fused backward (the default until a GPU run has
+    timed the chunked one)."""
+    text = os.environ.get("MS_LOSS_TRITON_CHUNK_MB", "0") or "0"
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not 0 <= mib < 2 ** 40:
+        raise ValueError(f"MS_LOSS_TRITON_CHUNK_MB must be a number of MiB >= 0 (0: the fused backward), got {text!r}")
+    return int(mib * (1 << 20))
 
 
 def float32_precision():
