@@ -48,16 +48,18 @@ def launches(dtype_name, dim, mining, skip, cc):
         _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False, capability=capability)
         *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
                                      capability=capability)
+        chunked = []
         with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB="64"):
-            *_, chunked = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
-                                        ref_grad=False, interpret=False, capability=capability)
+            for ref_grad in (True, False):
+                chunked += backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
+                                         ref_grad=ref_grad, interpret=False, capability=capability)[-1]
         for launch in forward + backward + chunked:
             if not isinstance(launch, Launch):
                 continue
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
             name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
-            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']}]"
+            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},copy={c['COPY']}]"
             found.setdefault(name, launch)  # the forward kernels are the same in both cases
     return found
 

@@ -16,13 +16,14 @@ over all columns:
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomic additions, the same bits on every run.
-- the chunked backward (opt-in: $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`; self case and memory
-  banks): `_weights_kernel` writes H (lifted, in the input dtype) for a chunk of anchor rows against
-  all columns (self case) or for all anchors against a chunk of the bank's rows, into one buffer of
-  at most that budget reused by every chunk, and cuBLAS makes the second product (`Product`: float32
-  sums and result). The same 2 GEMM-equivalents as _grad_kernel, plus the weights written and read
-  once, but the 512-wide accumulator that holds _grad_kernel to one 8-warp program per
-  multiprocessor goes to cuBLAS. A reference set that takes a gradient keeps the fused launches.
+- the chunked backward (opt-in: $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`): `_weights_kernel` writes
+  H (lifted, in the input dtype) for a chunk of anchor rows against all columns (self case) or for
+  all anchors against a chunk of the reference rows, into a buffer within that budget reused by
+  every chunk, and cuBLAS makes the second product (`Product`: float32 sums and result). The same 2
+  GEMM-equivalents as _grad_kernel, plus the weights written and read once, but the 512-wide
+  accumulator that holds _grad_kernel to one 8-warp program per multiprocessor goes to cuBLAS. A
+  reference set that takes a gradient gets a second copy of the chunk's weights (one lift for its
+  rows) and dref from it: S once for dx and dref, 3 GEMM-equivalents where the fused form takes 4.
 `plan_cost` counts the work of a plan's launches in GEMM-equivalents.
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
@@ -405,14 +406,16 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
 
 @triton.jit
 def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
-                    row_scale_ptr, w_ptr, w_stride, row_begin, row_end, col_begin, col_end, num_anchors, dim,
-                    alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                    B_ANCHORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin, row_end, col_begin, col_end,
+                    num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                    B_ANCHORS: tl.constexpr, COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
     anchors, and so are b's when B_ANCHORS), times row_scale, written in the input dtype to
-    w[rows - row_begin, cols - col_begin] for a cuBLAS product (`Product`). Grid: (column blocks, row
-    blocks), the longer axis first (CUDA allows 65535 on the second)."""
+    w[rows - row_begin, cols - col_begin] for a cuBLAS product (`Product`). COPY (a reference set
+    that takes a gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the
+    same place, for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows 65535
+    on the second)."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -429,9 +432,12 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
             stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
         h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
                              ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
-    h *= tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)[:, None]
     offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
-    tl.store(w_ptr + offsets, h.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    ok = row_ok[:, None] & col_ok[None, :]
+    lift = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
+    tl.store(w_ptr + offsets, (h * lift[:, None]).to(w_ptr.dtype.element_ty), mask=ok)
+    if COPY:
+        tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
 
 
 # ---- launch plans -----------------------------------------------------------------------------
@@ -451,7 +457,8 @@ class Launch(NamedTuple):
 
 class Product(NamedTuple):
     """A step of the chunked backward: out (float32) = w @ b by cuBLAS (or out += w @ b); the rows of
-    w come lifted by row_scale (see _scales_kernel) and leave multiplied by norm / row_scale."""
+    w come lifted by row_scale (see _scales_kernel; one per row, or one for all) and leave multiplied
+    by norm / row_scale."""
     w: torch.Tensor
     b: torch.Tensor
     out: torch.Tensor
@@ -762,13 +769,12 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     chunk_bytes = config.pop("CHUNK_BYTES")
     shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
                   epsilon=epsilon)
-    if chunk_bytes and (ref is None or not ref_grad):
+    if chunk_bytes:
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
-                            b_ids_ptr=b_ids, row_scale_ptr=anchor_scale)
+                            b_ids_ptr=b_ids, row_scale_ptr=anchor_scale, copy_scale_ptr=column_lift)
         tiles = dict(tile_config("weights", a.dtype, dim, interpret, capability), MINING=mining,
-                     SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None)
-        grad_x, steps = _chunked_steps(a, b, weights_args, tiles, norm, anchor_scale, chunk_bytes, ref is None)
-        return grad_x, x.new_empty((0,)), [scales, *steps]
+                     SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None, COPY=ref is not None and ref_grad)
+        return _chunked_plan(x, a, b, weights_args, tiles, norm, anchor_scale, column_lift, chunk_bytes, scales)
     grid_d = _cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
@@ -795,32 +801,40 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     return grad_x, grad_ref, [scales, launch_x, launch_ref]
 
 
-def _chunked_steps(a, b, weights_args, tiles, norm, lift, budget, self_case):
-    """grad_x (float32) and the steps of the chunked backward: _weights_kernel writes the lifted pair
-    weights of a chunk into one buffer of at most `budget` bytes, and `Product` multiplies them by
-    cuBLAS. Self case: chunks of anchor rows against all columns, each writing its rows of dx once;
-    memory bank: all anchors against chunks of the bank's rows, dx summed over them in order."""
+def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget, scales):
+    """backward_plan's result for the chunked backward: _weights_kernel writes the lifted pair weights
+    of a chunk into a buffer, and `Product` multiplies them by cuBLAS, the buffers within `budget`
+    bytes and reused by every chunk. Self case: chunks of anchor rows against all columns, each
+    writing its rows of dx once. Reference set: all anchors against chunks of its rows, dx summed
+    over them in order; with a gradient (tiles["COPY"]), a second buffer holds the weights lifted by
+    the reference rows' one lift (column_lift) and gives dref of the chunk's rows, so S is computed
+    once for both."""
     tiles, warps, stages = _split(tiles)
-    (num_x, dim), num_b = a.shape, b.shape[0]
-    if self_case:
+    (num_x, dim), num_b, copy = a.shape, b.shape[0], tiles["COPY"]
+    if tiles["B_ANCHORS"]:  # the self case
         rectangles = [((begin, end), (0, num_b))
                       for begin, end in _chunks(num_x, tiles["BLOCK_M"], num_b, a.element_size(), budget)]
     else:
-        rectangles = [((0, num_x), (begin, end))
-                      for begin, end in _chunks(num_b, tiles["BLOCK_N"], num_x, a.element_size(), budget)]
+        rectangles = [((0, num_x), (begin, end)) for begin, end in
+                      _chunks(num_b, tiles["BLOCK_N"], num_x, a.element_size() * (1 + copy), budget)]
     (first_row, last_row), (first_col, last_col) = rectangles[0] if rectangles else ((0, 0), (0, 0))
     width = last_col - first_col  # (the first chunk is the largest)
     w = a.new_empty(last_row - first_row, width + (-width % 8))  # (rows 16-byte aligned for cuBLAS)
+    w_copy = torch.empty_like(w) if copy else w  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
-    steps = []
+    grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
+    steps = [scales]
     for (row_begin, row_end), (col_begin, col_end) in rectangles:
         grid = (_cdiv(col_end - col_begin, tiles["BLOCK_N"]), _cdiv(row_end - row_begin, tiles["BLOCK_M"]))
         steps.append(Launch(_weights_kernel, grid,
-                            dict(weights_args, w_ptr=w, w_stride=w.stride(0), row_begin=row_begin, row_end=row_end,
-                                 col_begin=col_begin, col_end=col_end), tiles, warps, stages))
+                            dict(weights_args, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0), row_begin=row_begin,
+                                 row_end=row_end, col_begin=col_begin, col_end=col_end), tiles, warps, stages))
         steps.append(Product(w[:row_end - row_begin, :col_end - col_begin], b[col_begin:col_end],
                              grad_x[row_begin:row_end], norm, lift[row_begin:row_end], accumulate=col_begin > 0))
-    return grad_x, steps
+        if copy:
+            steps.append(Product(w_copy[:num_x, :col_end - col_begin].T, a, grad_ref[col_begin:col_end], norm,
+                                 column_lift, accumulate=False))
+    return grad_x, grad_ref, steps
 
 
 def plan_cost(launches, num_x, num_ref, dim):
