@@ -1,9 +1,10 @@
 """A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
 each candidate's forward (mining + log-sum-exp launches) and backward launches (the fused form's
 tiles, and the chunked form: config = [MiB of weights, weights tiles]) are timed separately
-(median of CUDA-event timings), and their result (stats, or grad_x) is compared with the shipped
-entry's, on the self case B = 16384, D = 512, for each dtype, and on the memory-bank shape
-1024 x 262144 for the first dtype. The winners go into tile_config by hand, so that no user pays for
+(median of CUDA-event timings), and their result (stats, or the gradients) is compared with the shipped
+entry's, on the self case B = 16384, D = 512, for each dtype, and for the first dtype on the
+memory-bank shape 1024 x 262144 and on 2048 anchors against a gathered batch of 16384 that takes a
+gradient. The winners go into tile_config by hand, so that no user pays for
 tuning.
     python bench/tune_triton.py --out tune.json
 """
@@ -45,6 +46,9 @@ CHUNKED = {"16-bit": [Chunked(64), Chunked(16), Chunked(256), Chunked(64, (64, 6
                       Chunked(64, (128, 64, 32, 8, 4))],
            "float32": [Chunked(64), Chunked(256)]}
 SHIPPED = tk.tile_config
+# (B, R, the reference set takes a gradient): the self case, for the first dtype also a memory bank and
+# one process's share of a batch gathered from 8 (bench/benchmark.py does not time that one)
+SHAPES = ((16384, None, False), (1024, 262144, False), (2048, 16384, True))
 
 
 def override(kind, values):
@@ -112,7 +116,7 @@ def main():
     for name in args.dtypes:
         dtype = getattr(torch, name)
         group = "float32" if dtype == torch.float32 else "16-bit"
-        for batch, ref_rows in ((16384, None), (1024, 262144))[:2 if name == args.dtypes[0] else 1]:
+        for batch, ref_rows, ref_grad in SHAPES[:len(SHAPES) if name == args.dtypes[0] else 1]:
             operands = inputs(batch, ref_rows, 512, dtype)
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
                 if kind not in args.kinds:
@@ -125,7 +129,7 @@ def main():
                 expected = None  # the shipped entry's result: every candidate must compute the same
                 for values in candidates[:args.candidates] + (CHUNKED[group] if kind == "backward" else []):
                     tk.tile_config = chunked(*values) if isinstance(values, Chunked) else override(kind, values)
-                    record = dict(dtype=name, batch=batch, ref=ref_rows, kind=kind, config=values)
+                    record = dict(dtype=name, batch=batch, ref=ref_rows, ref_grad=ref_grad, kind=kind, config=values)
                     try:
                         start = time.perf_counter()
                         _, stats, forward = tk.forward_plan(*operands, *hyper)
@@ -135,10 +139,11 @@ def main():
                         else:
                             for launch in forward:
                                 launch()
-                            grad_x, _, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands,
-                                                                   *hyper, ref_grad=False)  # (a bank takes none)
+                            *grads, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands,
+                                                                *hyper, ref_grad=ref_grad)
                             record["ms"] = timed(backward)
-                            result = grad_x.float().sum(0) if grad_x.dim() == 3 else grad_x.float()
+                            result = torch.cat([(g.float().sum(0) if g.dim() == 3 else g.float()).flatten()
+                                                for g in grads])  # (split partials summed; dref when there is one)
                         record["wall_s"] = time.perf_counter() - start
                         expected = result if expected is None else expected
                         record["rel_diff"] = float((result - expected).norm() / expected.norm())
@@ -151,7 +156,7 @@ def main():
                         json.dump(records, f, indent=1)
     print("\nwinners (ms; shipped first in each list):")
     for name in args.dtypes:
-        for shape in ((16384, None), (1024, 262144)):
+        for shape in [shape[:2] for shape in SHAPES]:
             for kind in ("forward", "backward"):
                 mine = [r for r in records if (r["dtype"], r["batch"], r["ref"], r["kind"]) == (name, *shape, kind)
                         and "ms" in r]

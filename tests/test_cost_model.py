@@ -114,6 +114,8 @@ def test_the_chunked_backward_does_the_same_work_in_bounded_memory(monkeypatch, 
     buffers = {launch.args[name].data_ptr(): launch.args[name] for launch in backward for name in ("w_ptr", "copy_ptr")
                if getattr(launch, "args", {}).get(name) is not None}
     assert len(buffers) == 1  # one buffer, reused by every chunk (a memory bank takes no copy)
+    assert all(launch.args["copy_ptr"] is launch.args["w_ptr"] and not launch.constexprs["COPY"]
+               for launch in backward if getattr(launch, "args", {}).get("w_ptr") is not None)
     (w,) = buffers.values()
     assert w.numel() * w.element_size() <= 64 * MIB
     products = [step for step in backward if isinstance(step, triton_kernels.ms_loss.Product)]
