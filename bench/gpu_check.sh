@@ -4,10 +4,10 @@
 # Steps: build (the CUDA kernels, for this GPU's architecture), tests (the test suite on CUDA
 # tensors, without the static compile checks and the CPU emulation of CUDA, which need no GPU),
 # sanitize (compute-sanitizer memcheck, racecheck, synccheck on small cases of every kernel),
-# tune (bench/tune_triton.py: the Triton tile sweep), bench (bench/benchmark.py for float16,
-# bfloat16, float32 and float32 under TF32: self case B = 4096, 16384, 65536 and the memory bank
-# 1024 x 262144 and 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32
-# float32-tf32"), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each
+# tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates too;
+# TUNE_KINDS=backward skips the forward's), bench (bench/benchmark.py for float16, bfloat16, float32
+# and float32 under TF32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
+# 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32"), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each
 # fused backend, against the step's wall time and host time; bench/host_time.py: the host's time of
 # a triton step through the eager autograd.Function and through the custom ops), profile (Nsight
 # Compute on one float16 step of each fused backend at B = 16384, not a default step). Logs and
@@ -70,7 +70,7 @@ for step in $STEPS; do
       done
     done ;;
   tune)
-    run_step tune 900 $PY bench/tune_triton.py --out "$DIR/tune.json" ;;
+    run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} --out "$DIR/tune.json" ;;
   bench)
     for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32 float32-tf32}; do
       run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
