@@ -7,10 +7,12 @@
 # tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates too;
 # TUNE_KINDS=backward skips the forward's), bench (bench/benchmark.py for float16, bfloat16, float32
 # and float32 under TF32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
-# 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32"), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each
-# fused backend, against the step's wall time and host time; bench/host_time.py: the host's time of
-# a triton step through the eager autograd.Function and through the custom ops), profile (Nsight
-# Compute on one float16 step of each fused backend at B = 16384, not a default step). Logs and
+# 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32"), kernels
+# (bench/kernel_times.py: each kernel's time in one float16 step of each fused backend and of the
+# chunked triton backward, against the step's wall time and host time; bench/host_time.py: the
+# host's time of a triton step through the eager autograd.Function and through the custom ops),
+# profile (Nsight Compute on one float16 step of each fused backend at B = 16384, not a default
+# step). Logs and
 # results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero when a step
 # failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
