@@ -44,6 +44,7 @@ FUSED = ("cpu", *TRITON, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", "pml")}
 HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
+CHUNK_MB = "64"  # the chunked backward's budget of pair weights in the triton-chunked providers
 PER_CLASS = 4
 
 
@@ -89,15 +90,17 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
 
     if provider.endswith("-graph"):
         return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining))
-    if provider == "triton-chunked":
-        return chunked(step_function("triton", labels, ref, ref_labels, mining))
-    return lambda x: ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
-                                                        mining=mining, backend=provider).backward()
+    step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
+        x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
+        backend="triton" if provider.startswith("triton") else provider).backward()
+    if provider.startswith("triton"):  # the fused backward, or the chunked one, whatever the environment says
+        return with_chunk_budget(step, CHUNK_MB if provider == "triton-chunked" else "0")
+    return step
 
 
-def chunked(step, mib="64"):
-    """`step` with the triton backend's chunked backward at `mib` MiB of pair weights
-    ($MS_LOSS_TRITON_CHUNK_MB), the environment restored after each call."""
+def with_chunk_budget(step, mib):
+    """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward), the
+    environment restored after each call."""
     def run(x):
         with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
             step(x)
