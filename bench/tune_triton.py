@@ -43,7 +43,7 @@ class Chunked(NamedTuple):
 
 # timed beside the fused backward entries
 CHUNKED = {"16-bit": [Chunked(64), Chunked(16), Chunked(256), Chunked(64, (64, 64, 64, 4, 3)),
-                      Chunked(64, (128, 64, 32, 8, 4))],
+                      Chunked(64, (128, 64, 64, 8, 3))],
            "float32": [Chunked(64), Chunked(256)]}
 SHIPPED = tk.tile_config
 # (B, R, the reference set takes a gradient): the self case, for the first dtype also a memory bank and

@@ -527,9 +527,10 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     The backward entry's CHUNK_BYTES picks its form: 0, the fused _grad_kernel; else the chunked
     form at that budget of pair weights (`backward_plan`). It is not timed on a GPU yet, so it is
     opt-in: $MS_LOSS_TRITON_CHUNK_MB (`chunk_budget`).
-    The weights kernel takes the forward's tiles, but 128 x 64 in 16-bit: with the anchor statistics
-    of both ends 128 x 128 spills on sm_90 (84 bytes with Triton 3.6, 200-800 with 3.9; 128 x 64
-    takes 130 and 199 registers).
+    The weights kernel takes the forward's tiles, but 128 x 64 with K steps of 32 and 4 stages in
+    16-bit: with the anchor statistics of both ends, 128 x 128 spills on sm_90 (84 bytes with Triton
+    3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 127 registers with 3.6
+    (two 8-warp programs a multiprocessor; 130 with K steps of 64 and 3 stages) and 194 with 3.9.
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
     and 9.0) by the tests.
     """
@@ -537,7 +538,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     if kind == "weights":
         config = tile_config("forward", dtype, dim, interpret, capability)
         if dtype != torch.float32 and not interpret:
-            config["BLOCK_N"] = 64
+            config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
         return config
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
