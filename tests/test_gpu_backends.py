@@ -40,7 +40,7 @@ class Target(NamedTuple):
     device: str
     forward: object  # the fused ops
     backward: object
-    chunked: bool = False  # triton's chunked backward (a memory bank's dx comes from cuBLAS, not the fused launch)
+    chunked: bool = False  # triton's chunked backward: cuBLAS sums dx in chunks that depend on ref_grad
 
 
 @pytest.fixture(scope="session")
@@ -334,8 +334,8 @@ def test_int64_keys_beyond_the_int32_range(target):
 
 def test_a_bank_that_takes_no_gradient_gets_none(target):
     # ref_grad=False (what autograd asks for when the reference set does not require a gradient, as a
-    # memory bank does not): the same dx (bit for bit from the same launch; the chunked form sums it
-    # in cuBLAS), and an empty dref.
+    # memory bank does not): the same dx (bit for bit from the same fused launch; the chunked form
+    # sums it over chunks whose size depends on ref_grad), and an empty dref.
     kwargs = to(build_case("ref_ids", 61, 16, torch.float32, seed=14), target.device)
     x, ref = F.normalize(kwargs["embeddings"], dim=1), F.normalize(kwargs["ref_embeddings"], dim=1)
     args = (kwargs["labels"], kwargs["ids"], ref, kwargs["ref_labels"], kwargs["ref_ids"], 2.0, 50.0, 0.5, 0.1, True,
