@@ -51,10 +51,14 @@ SHIPPED = tk.tile_config
 SHAPES = ((16384, None, False), (1024, 262144, False), (2048, 16384, True))
 
 
+def tile_names(kind):
+    """What a candidate tuple of `kind` holds, in order."""
+    return ("BLOCK_M", "BLOCK_N", "BLOCK_K") + (("BLOCK_D",) if kind == "backward" else ()) + ("num_warps", "num_stages")
+
+
 def override(kind, values):
-    """tile_config with `values` for the kernels of `kind` (the other kind keeps the shipped entry)."""
-    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if kind == "forward" else \
-        ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_D", "num_warps", "num_stages")
+    """tile_config with `values` for the kernels of `kind` (the other kinds keep the shipped entry)."""
+    names = tile_names(kind)
 
     def config(k, dtype, dim, interpret=False, capability=(9, 0)):
         shipped = SHIPPED(k, dtype, dim, interpret, capability)
@@ -65,15 +69,9 @@ def override(kind, values):
 
 def chunked(mib, tiles):
     """tile_config with the chunked backward of `Chunked(mib, tiles)`."""
-    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-
-    def config(kind, *args, **kwargs):
-        shipped = SHIPPED(kind, *args, **kwargs)
-        if kind == "backward":
-            return dict(shipped, CHUNK_BYTES=mib << 20)
-        return dict(shipped, **dict(zip(names, tiles))) if kind == "weights" and tiles else shipped
-
-    return config
+    table = override("weights", tiles) if tiles else SHIPPED
+    return lambda kind, *args, **kwargs: dict(table(kind, *args, **kwargs),
+                                              **({"CHUNK_BYTES": mib << 20} if kind == "backward" else {}))
 
 
 def timed(launches, repeats=7):
@@ -122,9 +120,7 @@ def main():
                 if kind not in args.kinds:
                     continue
                 shipped = SHIPPED(kind, dtype, 512, False, torch.cuda.get_device_capability())
-                names = ("BLOCK_M", "BLOCK_N", "BLOCK_K") + (("BLOCK_D",) if kind == "backward" else ()) + \
-                    ("num_warps", "num_stages")
-                first = tuple(shipped[n] for n in names)
+                first = tuple(shipped[n] for n in tile_names(kind))
                 candidates = [first] + [c for c in candidates if c != first]
                 expected = None  # the shipped entry's result: every candidate must compute the same
                 for values in candidates[:args.candidates] + (CHUNKED[group] if kind == "backward" else []):

@@ -819,9 +819,9 @@ def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget,
     else:
         rectangles = [((0, num_x), (begin, end)) for begin, end in
                       _chunks(num_b, tiles["BLOCK_N"], num_x, a.element_size() * (1 + copy), budget)]
-    (first_row, last_row), (first_col, last_col) = rectangles[0] if rectangles else ((0, 0), (0, 0))
-    width = last_col - first_col  # (the first chunk is the largest)
-    w = a.new_empty(last_row - first_row, width + (-width % 8))  # (rows 16-byte aligned for cuBLAS)
+    (row_begin, row_end), (col_begin, col_end) = rectangles[0] if rectangles else ((0, 0), (0, 0))
+    width = col_end - col_begin  # (the first chunk is the largest)
+    w = a.new_empty(row_end - row_begin, width + (-width % 8))  # (rows 16-byte aligned for cuBLAS)
     w_copy = torch.empty_like(w) if copy else w  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
