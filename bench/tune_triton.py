@@ -42,7 +42,7 @@ class Chunked(NamedTuple):
 
 
 # timed beside the fused backward entries
-CHUNKED = {"16-bit": [Chunked(64), Chunked(16), Chunked(256), Chunked(64, (64, 64, 64, 4, 3)),
+CHUNKED = {"16-bit": [Chunked(64), Chunked(16), Chunked(32), Chunked(256), Chunked(64, (64, 64, 64, 4, 3)),
                       Chunked(64, (128, 64, 64, 8, 3))],
            "float32": [Chunked(64), Chunked(256)]}
 SHIPPED = tk.tile_config

@@ -102,26 +102,28 @@ MIB = 1 << 20
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("batch,ref_rows,limit", [(16384, None, 3.1), (4096, None, 3.1), (1024, 1048576, 3.01),
-                                                 (256, 65536, 3.01)])
-def test_the_chunked_backward_does_the_same_work_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, limit):
-    """Weights to memory chunk by chunk, then cuBLAS: S once and one product, as the fused form; the
-    weights buffer within its budget; every weights launch fills an H100 twice over."""
+@pytest.mark.parametrize("batch,ref_rows,limit", [(16384, None, 2.64), (65536, None, 2.52), (4096, None, 3.07),
+                                                 (1024, 1048576, 3.01), (256, 65536, 3.01)])
+def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, limit):
+    """Weights to memory chunk by chunk, then cuBLAS: one product, and S once (a memory bank) or,
+    in the self case, from each chunk's first row on (half of S, plus half of each chunk's square;
+    4096 rows fit in one chunk of 64 MiB: all of S); the weights buffer within its budget; every
+    weights launch fills an H100 twice over."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
     cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=False, with_plan=True)
     assert cost["gemms"] <= limit, cost
     assert cost["programs"]["_weights_kernel"] >= 2 * H100, cost["programs"]
-    buffers = {launch.args[name].data_ptr(): launch.args[name] for launch in backward for name in ("w_ptr", "copy_ptr")
-               if getattr(launch, "args", {}).get(name) is not None}
-    assert len(buffers) == 1  # one buffer, reused by every chunk (a memory bank takes no copy)
-    assert all(launch.args["copy_ptr"] is launch.args["w_ptr"] and not launch.constexprs["COPY"]
-               for launch in backward if getattr(launch, "args", {}).get("w_ptr") is not None)
-    (w,) = buffers.values()
-    assert w.numel() * w.element_size() <= 64 * MIB
+    weights = [launch for launch in backward if isinstance(launch, triton_kernels.ms_loss.Launch)
+               and launch.kernel.fn.__name__ == "_weights_kernel"]
+    # one buffer, reused by every chunk (each chunk a view of it; a memory bank takes no copy)
+    assert len({launch.args[name].data_ptr() for launch in weights for name in ("w_ptr", "copy_ptr")}) == 1
+    assert not any(launch.constexprs["COPY"] for launch in weights)
+    w = weights[0].args["w_ptr"]
+    assert w.untyped_storage().nbytes() <= 64 * MIB
     products = [step for step in backward if isinstance(step, triton_kernels.ms_loss.Product)]
     several = batch * (ref_rows or batch) * w.element_size() > 64 * MIB
-    assert len(products) == sum(launch.kernel.fn.__name__ == "_weights_kernel" for launch in backward
-                                if isinstance(launch, triton_kernels.ms_loss.Launch)) >= (2 if several else 1)
+    assert len(weights) >= (2 if several else 1)
+    assert len(products) == (len(weights) if ref_rows else 2 * len(weights) - 1)  # (self case: the last has no later rows)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -150,6 +152,22 @@ def test_chunks_cover_everything_once_within_the_budget(total, block, other, bud
     assert all(size % block == 0 for size in sizes[:-1]) and len(set(sizes[:-1])) <= 1
     assert all(size * other * 2 <= max(budget, block * other * 2) for size in sizes)
     assert len(chunks) == (0 if total == 0 else -(-total // max(budget // (other * 2) // block * block, block)))
+
+
+@pytest.mark.parametrize("total,block,budget", [(16384, 128, 64 * MIB), (16384, 128, 1), (65536, 128, 64 * MIB),
+                                                (1000, 64, 10 ** 9), (300, 128, 2 * 128 * 304), (0, 64, 1)])
+def test_triangle_chunks_cover_every_row_once_within_the_budget(total, block, budget):
+    """The self case's chunks: rows [r0, r1) against columns r0 ... total, each the most whole blocks
+    within the budget (or one block), so they grow as the columns shrink."""
+    chunks = triton_kernels.ms_loss._triangle_chunks(total, block, 2, budget)
+    assert [begin for begin, _ in chunks] == [end for _, end in [(0, 0)] + chunks[:-1]][:len(chunks)]
+    assert (chunks[-1][1] if chunks else 0) == total
+    for begin, end in chunks:
+        width = total - begin + (-(total - begin) % 8)
+        assert (end - begin) % block == 0 or end == total
+        assert (end - begin) * width * 2 <= budget or end - begin <= block
+        assert end == total or (end - begin + block) * width * 2 > budget  # no room for one more block
+    assert [end - begin for begin, end in chunks[:-1]] == sorted(end - begin for begin, end in chunks[:-1])
 
 
 @pytest.mark.parametrize("text,expected", [(None, 0), ("", 0), ("0", 0), ("64", 64 * MIB), ("0.5", MIB // 2),

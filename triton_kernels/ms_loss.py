@@ -17,13 +17,15 @@ over all columns:
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomic additions, the same bits on every run.
 - the chunked backward (opt-in: $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`): `_weights_kernel` writes
-  H (lifted, in the input dtype) for a chunk of anchor rows against all columns (self case) or for
-  all anchors against a chunk of the reference rows, into a buffer within that budget reused by
-  every chunk, and cuBLAS makes the second product (`Product`: float32 sums and result). The same 2
-  GEMM-equivalents as _grad_kernel, plus the weights written and read once, but the 512-wide
-  accumulator that holds _grad_kernel to one 8-warp program per multiprocessor goes to cuBLAS. A
-  reference set that takes a gradient gets a second copy of the chunk's weights (one lift for its
-  rows) and dref from it: S once for dx and dref, 3 GEMM-equivalents where the fused form takes 4.
+  H (lifted, in the input dtype) for a chunk into a buffer within that budget reused by every chunk,
+  and cuBLAS makes the second product (`Product`: float32 sums and result), so the 512-wide
+  accumulator that holds _grad_kernel to one 8-warp program per multiprocessor goes to cuBLAS.
+  Self case: H is symmetric, so a chunk of anchor rows takes the columns from its first row on, and
+  its weights give dx of its rows and, transposed, the later rows' share: S for half of the pairs
+  (1.62 GEMM-equivalents at B = 16384 where _grad_kernel takes 2). Memory bank: all anchors against
+  a chunk of its rows (2, as the fused form). A reference set that takes a gradient gets a second
+  copy of the chunk's weights (one lift for its rows) and dref from it: S once for dx and dref, 3
+  GEMM-equivalents where the fused form takes 4.
 `plan_cost` counts the work of a plan's launches in GEMM-equivalents.
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
@@ -411,11 +413,13 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
                     B_ANCHORS: tl.constexpr, COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
-    anchors, and so are b's when B_ANCHORS), times row_scale, written in the input dtype to
-    w[rows - row_begin, cols - col_begin] for a cuBLAS product (`Product`). COPY (a reference set
-    that takes a gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the
-    same place, for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows 65535
-    on the second)."""
+    anchors, and so are b's when B_ANCHORS), lifted, written in the input dtype to
+    w[rows - row_begin, cols - col_begin] for cuBLAS products (`Product`). The lift: each row's
+    (row_scale[rows]), or in the self case (B_ANCHORS) one for all (row_scale[0]), since each weight
+    there enters a product from either side (`_chunked_plan`). COPY (a reference set that takes a
+    gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the same place,
+    for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows 65535 on the
+    second)."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -434,7 +438,9 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
                              ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
     offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
-    lift = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
+    # each row's lift, or in the self case one for all (_chunked_plan): a vector load either way (as a
+    # scalar it took 152 registers under Triton 3.6 instead of 128: one program a multiprocessor, not 2)
+    lift = tl.load(row_scale_ptr + rows * (0 if B_ANCHORS else 1), mask=row_ok, other=1.0)
     tl.store(w_ptr + offsets, (h * lift[:, None]).to(w_ptr.dtype.element_ty), mask=ok)
     if COPY:
         tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
@@ -492,6 +498,24 @@ def _chunks(total, block, other, element_size, budget):
     count = _cdiv(total, most)
     size = _cdiv(_cdiv(total, count), block) * block
     return [(begin, min(begin + size, total)) for begin in range(0, total, size)]
+
+
+def _triangle_chunks(total, block, element_size, budget):
+    """[begin, end) chunks of the self case's `total` anchor rows for `_chunked_plan`, chunk [r0, r1)
+    against the columns r0 ... total: each the most whole `block`s whose weights (rows padded to
+    `_padded`) stay within `budget` bytes, one block at the least; later chunks, narrower, take more
+    rows, so no launch is left with a sliver of programs."""
+    chunks, begin = [], 0
+    while begin < total:
+        rows = max(budget // (_padded(total - begin) * element_size) // block, 1) * block
+        chunks.append((begin, min(begin + rows, total)))
+        begin += rows
+    return chunks
+
+
+def _padded(columns):
+    """A weights buffer's row length: a multiple of 8 elements (16-byte aligned rows for cuBLAS)."""
+    return columns + (-columns % 8)
 
 
 def _cdiv(a, b):
@@ -754,26 +778,28 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (_scales_kernel).
     norm = (torch.linalg.vector_norm(grad_loss.to(torch.float32), float("inf")).clamp_min_(1e-30).reshape(1)
             if num_x else torch.ones(1, dtype=torch.float32, device=x.device))
+    capability = capability or _capability(x.device)
+    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
+    chunk_bytes = config.pop("CHUNK_BYTES")
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
+    one_lift = ref_grad if ref is not None else bool(chunk_bytes)  # rows of many anchors' weights (dref; _chunked_plan)
     column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
-                   if ref is not None and ref_grad else norm)  # (else never read: any pointer will do)
+                   if one_lift else norm)  # (else never read: any pointer will do)
     block = 1024
     scales = Launch(_scales_kernel, (_cdiv(num_x, block),),
                     dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0),  # ("mean": one value, expanded)
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
                          epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
-                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors,
-                         COLUMN_LIFT=ref is not None and ref_grad, BLOCK=block), 4, 1)
-    capability = capability or _capability(x.device)
-    config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
-    chunk_bytes = config.pop("CHUNK_BYTES")
+                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=one_lift, BLOCK=block),
+                    4, 1)
     shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
                   epsilon=epsilon)
     if chunk_bytes:
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
-                            b_ids_ptr=b_ids, row_scale_ptr=anchor_scale, copy_scale_ptr=column_lift)
+                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift,
+                            row_scale_ptr=column_lift if ref is None else anchor_scale)  # (one lift: see _chunked_plan)
         tiles = dict(tile_config("weights", a.dtype, dim, interpret, capability), MINING=mining,
                      SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None, COPY=ref is not None and ref_grad)
         return _chunked_plan(x, a, b, weights_args, tiles, norm, anchor_scale, column_lift, chunk_bytes, scales)
@@ -806,36 +832,50 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
 def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget, scales):
     """backward_plan's result for the chunked backward: _weights_kernel writes the lifted pair weights
     of a chunk into a buffer, and `Product` multiplies them by cuBLAS, the buffers within `budget`
-    bytes and reused by every chunk. Self case: chunks of anchor rows against all columns, each
-    writing its rows of dx once. Reference set: all anchors against chunks of its rows, dx summed
-    over them in order; with a gradient (tiles["COPY"]), a second buffer holds the weights lifted by
-    the reference rows' one lift (column_lift) and gives dref of the chunk's rows, so S is computed
-    once for both."""
+    bytes and reused by every chunk.
+    Self case: H is symmetric (H_pq = H_qp), so chunk [r0, r1) of the anchor rows computes only its
+    columns from r0 on (`_triangle_chunks`): dx[r0:r1] += H[r0:r1, r0:] @ x[r0:], and the part right
+    of its own square gives the later rows' share, dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1]. S costs
+    half a GEMM-equivalent plus half of each chunk's square, where all columns would cost one; the
+    products still one. A weight then enters a product from either side, so the weights are lifted
+    as a whole, by the anchors' smallest lift (column_lift; as a reference set's rows for dref).
+    Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
+    gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
+    lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
+    Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = _split(tiles)
     (num_x, dim), num_b, copy = a.shape, b.shape[0], tiles["COPY"]
-    if tiles["B_ANCHORS"]:  # the self case
-        rectangles = [((begin, end), (0, num_b))
-                      for begin, end in _chunks(num_x, tiles["BLOCK_M"], num_b, a.element_size(), budget)]
+    if tiles["B_ANCHORS"]:  # the self case: the chunk's rows against the columns from its first row on
+        rectangles = [((begin, end), (begin, num_b))
+                      for begin, end in _triangle_chunks(num_x, tiles["BLOCK_M"], a.element_size(), budget)]
     else:
         rectangles = [((0, num_x), (begin, end)) for begin, end in
                       _chunks(num_b, tiles["BLOCK_N"], num_x, a.element_size() * (1 + copy), budget)]
-    (row_begin, row_end), (col_begin, col_end) = rectangles[0] if rectangles else ((0, 0), (0, 0))
-    width = col_end - col_begin  # (the first chunk is the largest)
-    w = a.new_empty(row_end - row_begin, width + (-width % 8))  # (rows 16-byte aligned for cuBLAS)
-    w_copy = torch.empty_like(w) if copy else w  # (else never written: any pointer will do)
+    size = max([(row_end - row_begin) * _padded(col_end - col_begin)
+                for (row_begin, row_end), (col_begin, col_end) in rectangles], default=0)
+    buffer = a.new_empty(size)  # each chunk's weights a [rows, _padded(columns)] view of it
+    copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
     steps = [scales]
-    for (row_begin, row_end), (col_begin, col_end) in rectangles:
-        grid = (_cdiv(col_end - col_begin, tiles["BLOCK_N"]), _cdiv(row_end - row_begin, tiles["BLOCK_M"]))
+    for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
+        rows, cols = row_end - row_begin, col_end - col_begin
+        w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
+        grid = (_cdiv(cols, tiles["BLOCK_N"]), _cdiv(rows, tiles["BLOCK_M"]))
         steps.append(Launch(_weights_kernel, grid,
                             dict(weights_args, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0), row_begin=row_begin,
                                  row_end=row_end, col_begin=col_begin, col_end=col_end), tiles, warps, stages))
-        steps.append(Product(w[:row_end - row_begin, :col_end - col_begin], b[col_begin:col_end],
-                             grad_x[row_begin:row_end], norm, lift[row_begin:row_end], accumulate=col_begin > 0))
+        if tiles["B_ANCHORS"]:
+            steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], norm, column_lift,
+                                 accumulate=chunk > 0))
+            if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
+                steps.append(Product(w[:, rows:cols].T, a[row_begin:row_end], grad_x[row_end:], norm, column_lift,
+                                     accumulate=chunk > 0))
+            continue
+        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x, norm, lift, accumulate=chunk > 0))
         if copy:
-            steps.append(Product(w_copy[:num_x, :col_end - col_begin].T, a, grad_ref[col_begin:col_end], norm,
-                                 column_lift, accumulate=False))
+            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], norm, column_lift,
+                                 accumulate=False))
     return grad_x, grad_ref, steps
 
 
