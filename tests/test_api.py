@@ -203,6 +203,24 @@ def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatc
         torch.autograd.grad(grad.square().sum(), x)
 
 
+@pytest.mark.skipif("triton" not in available_backends(), reason="needs Triton (or its interpreter)")
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, monkeypatch):
+    """A backward taken inside autocast: the chunked form's cuBLAS products of float32 weights stay
+    float32 (autocast would run them in bfloat16 on CPU, float16 on CUDA: about 1e-3 off)."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")
+    x, labels = make_batch(37, 16, 5, dtype=torch.float32)
+    ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
+    grads = []
+    for dtype, backend in ((torch.float32, "triton"), (torch.float64, "reference")):
+        leaf = x.to(dtype).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backend == "triton"):
+            loss = multi_similarity_loss(leaf, labels, ref_embeddings=None if ref is None else ref.to(dtype),
+                                         ref_labels=ref_labels, backend=backend)
+            grads += torch.autograd.grad(loss, leaf)
+    torch.testing.assert_close(grads[0].double(), grads[1], rtol=1e-5, atol=1e-6 * grads[1].abs().max().item())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a GPU")
 def test_16_bit_embeddings_stay_16_bit_under_autocast():
     from ms_loss_cuda.loss import unit_rows

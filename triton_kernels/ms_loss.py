@@ -461,32 +461,37 @@ class Launch(NamedTuple):
                                num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+class Unlift(NamedTuple):
+    """A step of the chunked backward, after _scales_kernel: out [n, 1] = norm / lift, what takes the
+    products of lifted weights back (`Product`): one lift per row, or one for all ([1, 1])."""
+    out: torch.Tensor
+    norm: torch.Tensor
+    lift: torch.Tensor
+
+    def __call__(self):
+        torch.div(self.norm, self.lift[:, None], out=self.out)
+
+
 class Product(NamedTuple):
-    """A step of the chunked backward: out (float32) = w @ b by cuBLAS (or out += w @ b); the rows of
-    w come lifted by row_scale (see _scales_kernel; one per row, or one for all) and leave multiplied
-    by norm / row_scale."""
+    """A step of the chunked backward: out (float32) = (w @ b) * unlift by cuBLAS, or out += that; the
+    rows of w come lifted (see _scales_kernel) and `Unlift` made their unlift."""
     w: torch.Tensor
     b: torch.Tensor
     out: torch.Tensor
-    norm: torch.Tensor
-    row_scale: torch.Tensor
+    unlift: torch.Tensor
     accumulate: bool
 
-    def __call__(self):
-        # (a backward under create_graph=True runs with grad mode on and b may require a gradient;
-        # autocast would turn the float32 product into a 16-bit one)
-        with torch.no_grad(), torch.autocast(self.w.device.type, enabled=False):
-            if self.w.dtype == torch.float32:  # IEEE or TF32, as torch's float32 matmul precision says
-                product = self.w @ self.b
-            elif self.w.is_cuda:  # 16-bit tensor cores, float32 sums and result (torch >= 2.8)
-                product = torch.mm(self.w, self.b, out_dtype=torch.float32)
-            else:  # CPU tensors (the interpreter's tests): the same float32 sums of the 16-bit values
-                product = self.w.float() @ self.b.float()
-            unlift = (self.norm / self.row_scale)[:, None]
-            if self.accumulate:
-                self.out.addcmul_(product, unlift)
-            else:
-                torch.mul(product, unlift, out=self.out)
+    def __call__(self):  # (under `_run`'s no_grad and autocast off)
+        if self.w.dtype == torch.float32:  # IEEE or TF32, as torch's float32 matmul precision says
+            product = self.w @ self.b
+        elif self.w.is_cuda:  # 16-bit tensor cores, float32 sums and result (torch >= 2.8)
+            product = torch.mm(self.w, self.b, out_dtype=torch.float32)
+        else:  # CPU tensors (the interpreter's tests): the same float32 sums of the 16-bit values
+            product = self.w.float() @ self.b.float()
+        if self.accumulate:
+            self.out.addcmul_(product, self.unlift)
+        else:
+            torch.mul(product, self.unlift, out=self.out)
 
 
 def _chunks(total, block, other, element_size, budget):
@@ -844,8 +849,8 @@ def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget,
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = _split(tiles)
-    (num_x, dim), num_b, copy = a.shape, b.shape[0], tiles["COPY"]
-    if tiles["B_ANCHORS"]:  # the self case: the chunk's rows against the columns from its first row on
+    (num_x, dim), num_b, copy, self_case = a.shape, b.shape[0], tiles["COPY"], tiles["B_ANCHORS"]
+    if self_case:  # the chunk's rows against the columns from its first row on
         rectangles = [((begin, end), (begin, num_b))
                       for begin, end in _triangle_chunks(num_x, tiles["BLOCK_M"], a.element_size(), budget)]
     else:
@@ -857,7 +862,9 @@ def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget,
     copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
-    steps = [scales]
+    unlift, unlift_ref = norm.new_empty(1 if self_case else num_x, 1), norm.new_empty(1, 1)  # (by `Unlift`)
+    steps = [scales, Unlift(unlift, norm, column_lift if self_case else lift)]
+    steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
         w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
@@ -865,16 +872,16 @@ def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget,
         steps.append(Launch(_weights_kernel, grid,
                             dict(weights_args, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0), row_begin=row_begin,
                                  row_end=row_end, col_begin=col_begin, col_end=col_end), tiles, warps, stages))
-        if tiles["B_ANCHORS"]:
-            steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], norm, column_lift,
+        if self_case:
+            steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift,
                                  accumulate=chunk > 0))
             if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
-                steps.append(Product(w[:, rows:cols].T, a[row_begin:row_end], grad_x[row_end:], norm, column_lift,
+                steps.append(Product(w[:, rows:cols].T, a[row_begin:row_end], grad_x[row_end:], unlift,
                                      accumulate=chunk > 0))
             continue
-        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x, norm, lift, accumulate=chunk > 0))
+        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x, unlift, accumulate=chunk > 0))
         if copy:
-            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], norm, column_lift,
+            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref,
                                  accumulate=False))
     return grad_x, grad_ref, steps
 
@@ -890,9 +897,9 @@ def plan_cost(launches, num_x, num_ref, dim):
         if isinstance(launch, Product):
             flops += 2 * launch.w.shape[0] * launch.w.shape[1] * launch.b.shape[1]
             continue
-        c, args, name = launch.constexprs, launch.args, launch.kernel.fn.__name__
-        if "BLOCK_N" not in c:
+        if not isinstance(launch, Launch) or "BLOCK_N" not in launch.constexprs:
             continue
+        c, args, name = launch.constexprs, launch.args, launch.kernel.fn.__name__
         grid = launch.grid + (1,) * (3 - len(launch.grid))
         if "A_ANCHORS" in c:
             name += "[dx]" if c["A_ANCHORS"] else "[dref]"
@@ -913,9 +920,13 @@ def plan_cost(launches, num_x, num_ref, dim):
 
 
 def _run(plan, device, *args):
-    """Runs the plan's launches under `device` (Triton launches on the current CUDA device and stream)."""
+    """Runs the plan's launches under `device` (Triton launches on the current CUDA device and stream),
+    the cuBLAS products (`Product`) with grad mode off (a backward under create_graph=True runs with
+    it on, and its tensors may require a gradient) and autocast too (it would turn their float32
+    products into 16-bit ones)."""
     *outputs, launches = plan(*args)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()), torch.no_grad(), \
+            torch.autocast(device.type, enabled=False):
         for launch in launches:
             if not isinstance(launch, Launch) or all(launch.grid):  # an empty grid has nothing to write
                 launch()
