@@ -102,14 +102,16 @@ MIB = 1 << 20
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("batch,ref_rows,limit", [(16384, None, 2.64), (65536, None, 2.52), (4096, None, 3.07),
-                                                 (1024, 1048576, 3.01), (256, 65536, 3.01)])
-def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, limit):
-    """Weights to memory chunk by chunk, then cuBLAS: one product, and S once (a memory bank) or,
-    in the self case, from each chunk's first row on (half of S, plus half of each chunk's square;
-    4096 rows fit in one chunk of 64 MiB: all of S); the weights buffer within its budget; every
-    weights launch fills an H100 twice over."""
-    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
+@pytest.mark.parametrize("batch,ref_rows,mib,limit", [(16384, None, 64, 2.64), (65536, None, 256, 2.54),
+                                                     (65536, None, 64, 3.01), (4096, None, 64, 3.07),
+                                                     (1024, 1048576, 64, 3.01), (256, 65536, 64, 3.01)])
+def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, mib, limit):
+    """Weights to memory chunk by chunk, then cuBLAS: one product, and S once (a memory bank), or in
+    the self case from each chunk's first row on where the chunks are at least 1024 rows tall (half
+    of S, plus half of each chunk's square; 4096 rows fit in one chunk of 64 MiB: all of S; 65536
+    rows in 64 MiB make chunks of 512 rows: whole rows, all of S); the weights buffer within its
+    budget; every weights launch fills an H100 twice over."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", str(mib))
     cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=False, with_plan=True)
     assert cost["gemms"] <= limit, cost
     assert cost["programs"]["_weights_kernel"] >= 2 * H100, cost["programs"]
@@ -119,11 +121,13 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     assert len({launch.args[name].data_ptr() for launch in weights for name in ("w_ptr", "copy_ptr")}) == 1
     assert not any(launch.constexprs["COPY"] for launch in weights)
     w = weights[0].args["w_ptr"]
-    assert w.untyped_storage().nbytes() <= 64 * MIB
+    assert w.untyped_storage().nbytes() <= mib * MIB
     products = [step for step in backward if isinstance(step, triton_kernels.ms_loss.Product)]
-    several = batch * (ref_rows or batch) * w.element_size() > 64 * MIB
+    several = batch * (ref_rows or batch) * w.element_size() > mib * MIB
     assert len(weights) >= (2 if several else 1)
-    assert len(products) == (len(weights) if ref_rows else 2 * len(weights) - 1)  # (self case: the last has no later rows)
+    triangle = weights[0].constexprs["ONE_LIFT"]
+    assert triangle == (ref_rows is None and limit < 3)
+    assert len(products) == (2 * len(weights) - 1 if triangle else len(weights))  # (the last chunk has no later rows)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -155,19 +159,35 @@ def test_chunks_cover_everything_once_within_the_budget(total, block, other, bud
 
 
 @pytest.mark.parametrize("total,block,budget", [(16384, 128, 64 * MIB), (16384, 128, 1), (65536, 128, 64 * MIB),
+                                                (65536, 64, 128 * MIB),
                                                 (1000, 64, 10 ** 9), (300, 128, 2 * 128 * 304), (0, 64, 1)])
 def test_triangle_chunks_cover_every_row_once_within_the_budget(total, block, budget):
     """The self case's chunks: rows [r0, r1) against columns r0 ... total, each the most whole blocks
-    within the budget (or one block), so they grow as the columns shrink."""
+    within the budget (or one block), so they grow as the columns shrink; the last two share what
+    would have left a sliver."""
     chunks = triton_kernels.ms_loss._triangle_chunks(total, block, 2, budget)
     assert [begin for begin, _ in chunks] == [end for _, end in [(0, 0)] + chunks[:-1]][:len(chunks)]
     assert (chunks[-1][1] if chunks else 0) == total
-    for begin, end in chunks:
-        width = total - begin + (-(total - begin) % 8)
+    sizes = [end - begin for begin, end in chunks]
+    for k, (begin, end) in enumerate(chunks):
+        width = total - begin + (-(total - begin) % 16)
         assert (end - begin) % block == 0 or end == total
         assert (end - begin) * width * 2 <= budget or end - begin <= block
-        assert end == total or (end - begin + block) * width * 2 > budget  # no room for one more block
-    assert [end - begin for begin, end in chunks[:-1]] == sorted(end - begin for begin, end in chunks[:-1])
+        if k < len(chunks) - 2:
+            assert (end - begin + block) * width * 2 > budget  # no room for one more block
+    assert sizes[:-2] == sorted(sizes[:-2])
+    assert len(sizes) < 2 or sizes[-2] == block or 3 * sizes[-1] >= sizes[-2]
+
+
+@pytest.mark.parametrize("dtype_name,chunked", [("float16", False), ("bfloat16", True)])
+def test_float16_keeps_the_fused_backward_under_float16_accumulation(monkeypatch, dtype_name, chunked):
+    """Under torch.backends.cuda.matmul.allow_fp16_accumulation cuBLAS refuses a float32 result of
+    float16 products (it raises), so float16 takes the fused backward there; bfloat16 is unaffected."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", True)
+    _, backward = _cost(4096, 512, dtype_name, with_plan=True)
+    names = {launch.kernel.fn.__name__ for launch in backward if isinstance(launch, triton_kernels.ms_loss.Launch)}
+    assert ("_weights_kernel" in names) == chunked and ("_grad_kernel" in names) != chunked
 
 
 @pytest.mark.parametrize("text,expected", [(None, 0), ("", 0), ("0", 0), ("64", 64 * MIB), ("0.5", MIB // 2),

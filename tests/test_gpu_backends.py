@@ -113,6 +113,32 @@ def test_a_memory_bank_matches_reference(target, dtype, mining, reduction):
     assert len(ref_grads) == 1 and ref_grads[0].abs().sum() > 0
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("mining", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtype, mining, reduction):
+    """Chunks shorter than TRIANGLE_ROWS take whole rows (each row of dx written once, each row's own
+    lift): several chunks of one tile row each, where the triton_chunked target runs the triangle."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
+    kernels = triton_kernels.ms_loss
+    shipped, shipped_rectangles, chosen = kernels.tile_config, kernels._chunk_rectangles, []
+
+    def no_triangle(kind, *args, **kwargs):
+        return dict(shipped(kind, *args, **kwargs), **({"TRIANGLE_ROWS": 10 ** 9} if kind == "weights" else {}))
+
+    def rectangles(*args):
+        chosen.append(shipped_rectangles(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(kernels, "tile_config", no_triangle)
+    monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
+    target = Target("triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
+                    torch.ops.ms_loss_cuda.triton_backward.default, True)
+    check(target, build_case("self", 200, 130, dtype), dtype, reduction, mining=mining)
+    assert chosen and all(len(chunks) > 1 and not triangle for chunks, triangle in chosen)
+
+
 @pytest.mark.parametrize("batch,dim", [(1, 3), (2, 3), (2, 64), (37, 3), (37, 130), (97, 64), (300, 3), (300, 130)])
 @pytest.mark.parametrize("mining", [True, False])
 def test_sizes(target, batch, dim, mining):

@@ -32,8 +32,10 @@ def test_every_kernel_compiles_for_both_targets(records):
     assert kernels == {"_minpos_kernel", "_negatives_kernel", "_finish_kernel", "_scales_kernel[column_lift=False]",
                        "_scales_kernel[column_lift=True]",
                        "_grad_kernel[rows=True,cols=True]", "_grad_kernel[rows=True,cols=False]",
-                       "_grad_kernel[rows=False,cols=True]", "_weights_kernel[cols=True,copy=False]", "_weights_kernel[cols=False,copy=False]",
-                       "_weights_kernel[cols=False,copy=True]"}
+                       "_grad_kernel[rows=False,cols=True]", "_weights_kernel[cols=True,one_lift=False,copy=False]",
+                       "_weights_kernel[cols=True,one_lift=True,copy=False]",
+                       "_weights_kernel[cols=False,one_lift=False,copy=False]",
+                       "_weights_kernel[cols=False,one_lift=False,copy=True]"}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == kernels

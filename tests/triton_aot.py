@@ -49,17 +49,18 @@ def launches(dtype_name, dim, mining, skip, cc):
         *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
                                      capability=capability)
         chunked = []
-        with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB="64"):
-            for ref_grad in (True, False):
-                chunked += backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
-                                         ref_grad=ref_grad, interpret=False, capability=capability)[-1]
+        for mib in ("64", "16"):  # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
+            with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
+                for ref_grad in (True, False):
+                    chunked += backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
+                                             ref_grad=ref_grad, interpret=False, capability=capability)[-1]
         for launch in forward + backward + chunked:
             if not isinstance(launch, Launch):
                 continue
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
             name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
-            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},copy={c['COPY']}]"
+            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},one_lift={c['ONE_LIFT']},copy={c['COPY']}]"
             found.setdefault(name, launch)  # the forward kernels are the same in both cases
     return found
 

@@ -20,9 +20,10 @@ over all columns:
   H (lifted, in the input dtype) for a chunk into a buffer within that budget reused by every chunk,
   and cuBLAS makes the second product (`Product`: float32 sums and result), so the 512-wide
   accumulator that holds _grad_kernel to one 8-warp program per multiprocessor goes to cuBLAS.
-  Self case: H is symmetric, so a chunk of anchor rows takes the columns from its first row on, and
-  its weights give dx of its rows and, transposed, the later rows' share: S for half of the pairs
-  (1.62 GEMM-equivalents at B = 16384 where _grad_kernel takes 2). Memory bank: all anchors against
+  Self case: H is symmetric, so where the chunks are tall enough (TRIANGLE_ROWS) a chunk of anchor
+  rows takes the columns from its first row on, and its weights give dx of its rows and,
+  transposed, the later rows' share: S for half of the pairs (1.62 GEMM-equivalents at B = 16384
+  and 64 MiB where _grad_kernel takes 2); else chunks of whole rows. Memory bank: all anchors against
   a chunk of its rows (2, as the fused form). A reference set that takes a gradient gets a second
   copy of the chunk's weights (one lift for its rows) and dref from it: S once for dx and dref, 3
   GEMM-equivalents where the fused form takes 4.
@@ -410,15 +411,16 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
 def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
                     row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin, row_end, col_begin, col_end,
                     num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                    B_ANCHORS: tl.constexpr, COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    B_ANCHORS: tl.constexpr, ONE_LIFT: tl.constexpr, COPY: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
     anchors, and so are b's when B_ANCHORS), lifted, written in the input dtype to
-    w[rows - row_begin, cols - col_begin] for cuBLAS products (`Product`). The lift: each row's
-    (row_scale[rows]), or in the self case (B_ANCHORS) one for all (row_scale[0]), since each weight
-    there enters a product from either side (`_chunked_plan`). COPY (a reference set that takes a
-    gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the same place,
-    for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows 65535 on the
+    w[rows - row_begin, cols - col_begin] for cuBLAS products (`Product`), the columns up to the
+    buffer's padded row length w_stride (zeros past col_end: whole 16-byte stores). The lift: each
+    row's (row_scale[rows]), or with ONE_LIFT one for all (row_scale[0]; the self case's triangle,
+    where a weight enters a product from either side: `_chunked_plan`). COPY (a reference set that
+    takes a gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the
+    same place, for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows 65535 on the
     second)."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
@@ -437,10 +439,10 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
         h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
                              ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
     offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    # each row's lift, or in the self case one for all (_chunked_plan): a vector load either way (as a
-    # scalar it took 152 registers under Triton 3.6 instead of 128: one program a multiprocessor, not 2)
-    lift = tl.load(row_scale_ptr + rows * (0 if B_ANCHORS else 1), mask=row_ok, other=1.0)
+    ok = row_ok[:, None] & (cols - col_begin < w_stride)[None, :]
+    # each row's lift, or with ONE_LIFT one for all: a vector load either way (as a scalar it took 152
+    # registers under Triton 3.6 instead of 128: one program a multiprocessor, not 2)
+    lift = tl.load(row_scale_ptr + rows * (0 if ONE_LIFT else 1), mask=row_ok, other=1.0)
     tl.store(w_ptr + offsets, (h * lift[:, None]).to(w_ptr.dtype.element_ty), mask=ok)
     if COPY:
         tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
@@ -509,18 +511,23 @@ def _triangle_chunks(total, block, element_size, budget):
     """[begin, end) chunks of the self case's `total` anchor rows for `_chunked_plan`, chunk [r0, r1)
     against the columns r0 ... total: each the most whole `block`s whose weights (rows padded to
     `_padded`) stay within `budget` bytes, one block at the least; later chunks, narrower, take more
-    rows, so no launch is left with a sliver of programs."""
+    rows, and where the rest would leave a sliver the last two halve it, so that no launch is left
+    with a few programs."""
     chunks, begin = [], 0
     while begin < total:
-        rows = max(budget // (_padded(total - begin) * element_size) // block, 1) * block
+        width = total - begin
+        rows = max(budget // (_padded(width) * element_size) // block, 1) * block
+        if rows < width < 2 * rows:
+            rows = _cdiv(_cdiv(width, 2), block) * block
         chunks.append((begin, min(begin + rows, total)))
         begin += rows
     return chunks
 
 
 def _padded(columns):
-    """A weights buffer's row length: a multiple of 8 elements (16-byte aligned rows for cuBLAS)."""
-    return columns + (-columns % 8)
+    """A weights buffer's row length: a multiple of 16 elements (aligned rows for cuBLAS, and Triton's
+    divisibility hint on w_stride: without it the weights kernel stores 2 bytes at a time)."""
+    return columns + (-columns % 16)
 
 
 def _cdiv(a, b):
@@ -560,6 +567,12 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     16-bit: with the anchor statistics of both ends, 128 x 128 spills on sm_90 (84 bytes with Triton
     3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 127 registers with 3.6
     (two 8-warp programs a multiprocessor; 130 with K steps of 64 and 3 stages) and 194 with 3.9.
+    Its TRIANGLE_ROWS: the self case computes half of S (`_chunked_plan`) when its chunks are at
+    least this tall. A chunk of c rows moves all later rows of dx (float32, 16 bytes a value: the
+    product, then the sum) for 2 c flops a value: c / 8 flops a byte, 128 at c = 1024, where an
+    H100 needs about 300 to keep its tensor cores busy. So at 1024 rows the second product takes
+    about 1.4x its flops' time, still less than the S it saves; at 256 rows it would take 5.6x.
+    Under the interpreter one block, so that the tests run it.
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
     and 9.0) by the tests.
     """
@@ -568,6 +581,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
         config = tile_config("forward", dtype, dim, interpret, capability)
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
+        config["TRIANGLE_ROWS"] = config["BLOCK_M"] if interpret else 1024
         return config
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
@@ -597,7 +611,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
 def chunk_budget():
     """The chunked backward's budget of pair weights in bytes: $MS_LOSS_TRITON_CHUNK_MB (MiB, a
     fraction allowed), 0 when unset, which keeps the fused backward (the default until a GPU run has
-    timed the chunked one)."""
+    timed the chunked one). float16 keeps the fused backward under
+    torch.backends.cuda.matmul.allow_fp16_accumulation, where cuBLAS refuses float32 results."""
     text = os.environ.get("MS_LOSS_TRITON_CHUNK_MB", "0") or "0"
     try:
         mib = float(text)
@@ -786,9 +801,16 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
     chunk_bytes = config.pop("CHUNK_BYTES")
+    if a.dtype == torch.float16 and torch.backends.cuda.matmul.allow_fp16_accumulation:
+        chunk_bytes = 0  # (cuBLAS refuses float32 results of float16 products then: the fused form instead)
+    copy, triangle = ref is not None and ref_grad, False
+    if chunk_bytes:
+        tiles = tile_config("weights", a.dtype, dim, interpret, capability)
+        rectangles, triangle = _chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
+                                                 a.element_size() * (1 + copy), chunk_bytes)
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
-    one_lift = ref_grad if ref is not None else bool(chunk_bytes)  # rows of many anchors' weights (dref; _chunked_plan)
+    one_lift = copy or triangle  # rows of many anchors' weights (dref; the triangle of _chunked_plan)
     column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
                    if one_lift else norm)  # (else never read: any pointer will do)
     block = 1024
@@ -804,10 +826,11 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if chunk_bytes:
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
                             b_ids_ptr=b_ids, copy_scale_ptr=column_lift,
-                            row_scale_ptr=column_lift if ref is None else anchor_scale)  # (one lift: see _chunked_plan)
-        tiles = dict(tile_config("weights", a.dtype, dim, interpret, capability), MINING=mining,
-                     SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None, COPY=ref is not None and ref_grad)
-        return _chunked_plan(x, a, b, weights_args, tiles, norm, anchor_scale, column_lift, chunk_bytes, scales)
+                            row_scale_ptr=column_lift if triangle else anchor_scale)
+        tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
+                     ONE_LIFT=triangle, COPY=copy)
+        tiles.pop("TRIANGLE_ROWS")
+        return _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, anchor_scale, column_lift, scales)
     grid_d = _cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
@@ -834,36 +857,45 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     return grad_x, grad_ref, [scales, launch_x, launch_ref]
 
 
-def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget, scales):
+def _chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget):
+    """The chunked backward's chunks, ((row_begin, row_end), (col_begin, col_end)) each, and whether
+    they are the self case's triangle (`_chunked_plan`): its chunks when they are at least
+    tiles["TRIANGLE_ROWS"] tall (and more than one), else chunks of whole rows."""
+    if not self_case:
+        return [((0, num_x), columns) for columns in _chunks(num_b, tiles["BLOCK_N"], num_x, element_size, budget)], False
+    chunks = _triangle_chunks(num_x, tiles["BLOCK_M"], element_size, budget)
+    if len(chunks) > 1 and chunks[0][1] - chunks[0][0] >= tiles["TRIANGLE_ROWS"]:
+        return [((begin, end), (begin, num_b)) for begin, end in chunks], True
+    return [(rows, (0, num_b)) for rows in _chunks(num_x, tiles["BLOCK_M"], num_b, element_size, budget)], False
+
+
+def _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, lift, column_lift, scales):
     """backward_plan's result for the chunked backward: _weights_kernel writes the lifted pair weights
-    of a chunk into a buffer, and `Product` multiplies them by cuBLAS, the buffers within `budget`
-    bytes and reused by every chunk.
-    Self case: H is symmetric (H_pq = H_qp), so chunk [r0, r1) of the anchor rows computes only its
-    columns from r0 on (`_triangle_chunks`): dx[r0:r1] += H[r0:r1, r0:] @ x[r0:], and the part right
-    of its own square gives the later rows' share, dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1]. S costs
-    half a GEMM-equivalent plus half of each chunk's square, where all columns would cost one; the
-    products still one. A weight then enters a product from either side, so the weights are lifted
-    as a whole, by the anchors' smallest lift (column_lift; as a reference set's rows for dref).
+    of a chunk (`_chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
+    buffers within the budget and reused by every chunk.
+    Self case, the triangle (tiles["ONE_LIFT"]): H is symmetric (H_pq = H_qp), so chunk [r0, r1) of
+    the anchor rows computes only its columns from r0 on (`_triangle_chunks`): dx[r0:r1] +=
+    H[r0:r1, r0:] @ x[r0:], and the part right of its own square gives the later rows' share,
+    dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1]. S costs half a GEMM-equivalent plus half of each chunk's
+    square, where all columns would cost one; the products still one, but the second reads and
+    writes all later rows of dx once per chunk, memory-bound for short chunks: so the triangle
+    needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
+    there, so the weights take one lift, the anchors' smallest (column_lift; as a reference set's
+    rows for dref). Otherwise: chunks of whole rows, each writing its rows of dx once.
     Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = _split(tiles)
-    (num_x, dim), num_b, copy, self_case = a.shape, b.shape[0], tiles["COPY"], tiles["B_ANCHORS"]
-    if self_case:  # the chunk's rows against the columns from its first row on
-        rectangles = [((begin, end), (begin, num_b))
-                      for begin, end in _triangle_chunks(num_x, tiles["BLOCK_M"], a.element_size(), budget)]
-    else:
-        rectangles = [((0, num_x), (begin, end)) for begin, end in
-                      _chunks(num_b, tiles["BLOCK_N"], num_x, a.element_size() * (1 + copy), budget)]
+    (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["ONE_LIFT"]
     size = max([(row_end - row_begin) * _padded(col_end - col_begin)
                 for (row_begin, row_end), (col_begin, col_end) in rectangles], default=0)
     buffer = a.new_empty(size)  # each chunk's weights a [rows, _padded(columns)] view of it
     copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
-    unlift, unlift_ref = norm.new_empty(1 if self_case else num_x, 1), norm.new_empty(1, 1)  # (by `Unlift`)
-    steps = [scales, Unlift(unlift, norm, column_lift if self_case else lift)]
+    unlift, unlift_ref = norm.new_empty(1 if triangle else num_x, 1), norm.new_empty(1, 1)  # (by `Unlift`)
+    steps = [scales, Unlift(unlift, norm, column_lift if triangle else lift)]
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
@@ -872,17 +904,17 @@ def _chunked_plan(x, a, b, weights_args, tiles, norm, lift, column_lift, budget,
         steps.append(Launch(_weights_kernel, grid,
                             dict(weights_args, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0), row_begin=row_begin,
                                  row_end=row_end, col_begin=col_begin, col_end=col_end), tiles, warps, stages))
-        if self_case:
+        if triangle:
             steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift,
                                  accumulate=chunk > 0))
             if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
                 steps.append(Product(w[:, rows:cols].T, a[row_begin:row_end], grad_x[row_end:], unlift,
                                      accumulate=chunk > 0))
             continue
-        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x, unlift, accumulate=chunk > 0))
+        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x[row_begin:row_end], unlift[row_begin:row_end],
+                             accumulate=col_begin > 0))
         if copy:
-            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref,
-                                 accumulate=False))
+            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref, accumulate=False))
     return grad_x, grad_ref, steps
 
 
