@@ -420,8 +420,8 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
     row's (row_scale[rows]), or with ONE_LIFT one for all (row_scale[0]; the self case's triangle,
     where a weight enters a product from either side: `_chunked_plan`). COPY (a reference set that
     takes a gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the
-    same place, for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows 65535 on the
-    second)."""
+    same place, for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows
+    65535 on the second)."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -862,7 +862,8 @@ def _chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget):
     they are the self case's triangle (`_chunked_plan`): its chunks when they are at least
     tiles["TRIANGLE_ROWS"] tall (and more than one), else chunks of whole rows."""
     if not self_case:
-        return [((0, num_x), columns) for columns in _chunks(num_b, tiles["BLOCK_N"], num_x, element_size, budget)], False
+        columns = _chunks(num_b, tiles["BLOCK_N"], num_x, element_size, budget)
+        return [((0, num_x), chunk) for chunk in columns], False
     chunks = _triangle_chunks(num_x, tiles["BLOCK_M"], element_size, budget)
     if len(chunks) > 1 and chunks[0][1] - chunks[0][0] >= tiles["TRIANGLE_ROWS"]:
         return [((begin, end), (begin, num_b)) for begin, end in chunks], True
