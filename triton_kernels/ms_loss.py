@@ -806,8 +806,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     copy, triangle = ref is not None and ref_grad, False
     if chunk_bytes:
         tiles = tile_config("weights", a.dtype, dim, interpret, capability)
+        triangle_rows = tiles.pop("TRIANGLE_ROWS")
         rectangles, triangle = _chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
-                                                 a.element_size() * (1 + copy), chunk_bytes)
+                                                 a.element_size() * (1 + copy), chunk_bytes, triangle_rows)
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
     one_lift = copy or triangle  # rows of many anchors' weights (dref; the triangle of _chunked_plan)
@@ -825,11 +826,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                   epsilon=epsilon)
     if chunk_bytes:
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
-                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift,
-                            row_scale_ptr=column_lift if triangle else anchor_scale)
+                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift)
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
                      ONE_LIFT=triangle, COPY=copy)
-        tiles.pop("TRIANGLE_ROWS")
         return _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, anchor_scale, column_lift, scales)
     grid_d = _cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
@@ -857,15 +856,15 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     return grad_x, grad_ref, [scales, launch_x, launch_ref]
 
 
-def _chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget):
+def _chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, triangle_rows):
     """The chunked backward's chunks, ((row_begin, row_end), (col_begin, col_end)) each, and whether
     they are the self case's triangle (`_chunked_plan`): its chunks when they are at least
-    tiles["TRIANGLE_ROWS"] tall (and more than one), else chunks of whole rows."""
+    triangle_rows tall (and more than one), else chunks of whole rows."""
     if not self_case:
         columns = _chunks(num_b, tiles["BLOCK_N"], num_x, element_size, budget)
         return [((0, num_x), chunk) for chunk in columns], False
     chunks = _triangle_chunks(num_x, tiles["BLOCK_M"], element_size, budget)
-    if len(chunks) > 1 and chunks[0][1] - chunks[0][0] >= tiles["TRIANGLE_ROWS"]:
+    if len(chunks) > 1 and chunks[0][1] - chunks[0][0] >= triangle_rows:
         return [((begin, end), (begin, num_b)) for begin, end in chunks], True
     return [(rows, (0, num_b)) for rows in _chunks(num_x, tiles["BLOCK_M"], num_b, element_size, budget)], False
 
@@ -895,16 +894,18 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, lift, column_l
     copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
-    unlift, unlift_ref = norm.new_empty(1 if triangle else num_x, 1), norm.new_empty(1, 1)  # (by `Unlift`)
-    steps = [scales, Unlift(unlift, norm, column_lift if triangle else lift)]
+    row_lift = column_lift if triangle else lift  # (the triangle's one lift: the kernel reads row_lift[0])
+    unlift, unlift_ref = norm.new_empty(row_lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
+    steps = [scales, Unlift(unlift, norm, row_lift)]
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
         w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
         grid = (_cdiv(cols, tiles["BLOCK_N"]), _cdiv(rows, tiles["BLOCK_M"]))
         steps.append(Launch(_weights_kernel, grid,
-                            dict(weights_args, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0), row_begin=row_begin,
-                                 row_end=row_end, col_begin=col_begin, col_end=col_end), tiles, warps, stages))
+                            dict(weights_args, row_scale_ptr=row_lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
+                                 row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end),
+                            tiles, warps, stages))
         if triangle:
             steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift,
                                  accumulate=chunk > 0))
