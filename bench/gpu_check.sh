@@ -12,9 +12,8 @@
 # chunked triton backward, against the step's wall time and host time; bench/host_time.py: the
 # host's time of a triton step through the eager autograd.Function and through the custom ops),
 # profile (Nsight Compute on one float16 step of each fused backend at B = 16384, not a default
-# step). Logs and
-# results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero when a step
-# failed. STEP_LIMIT (s) caps each step.
+# step). Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is
+# non-zero when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
 DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench kernels profile]}
