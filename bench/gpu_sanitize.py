@@ -1,7 +1,9 @@
 """Small forward+backward cases of every GPU kernel, for compute-sanitizer (bench/gpu_check.sh runs
 this under memcheck, racecheck and synccheck): each dtype, the self case, a reference set with
 and without a gradient (a memory bank takes none), mining on and off, partial row/column/K tiles
-and column splits (B = 97, R = 151, D = 130); triton-chunked: the triton backend with its chunked
+and column splits (B = 97, R = 151, D = 130), and the self case with identities over several row
+blocks (B = 300: the forward skips each block's positive range and compares the identities);
+triton-chunked: the triton backend with its chunked
 backward, one tile row (or column) of weights per chunk. Exits non-zero when a result is not finite.
 Usage: python bench/gpu_sanitize.py --backend triton|triton-chunked|cuda
 """
@@ -23,19 +25,22 @@ def main():
     gen = torch.Generator().manual_seed(0)
     batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for with_ref in (False, True, "bank"):
+        for case in ("self", "ref", "bank", "self_ids"):
             for mining in (True, False):
-                x = torch.randn(batch, dim, generator=gen).to("cuda", dtype).requires_grad_()
-                labels = torch.randint(0, 12, (batch,), generator=gen).cuda()
+                rows = 300 if case == "self_ids" else batch
+                x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
+                labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()
                 extra = {}
-                if with_ref:
-                    ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(with_ref is True)
+                if case == "self_ids":
+                    extra = dict(ids=torch.arange(rows, device="cuda") % 150)
+                elif case != "self":  # a memory bank takes no gradient
+                    ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(case == "ref")
                     extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())
                 loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=backend, **extra)
-                grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if with_ref is True else []))
+                grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if case == "ref" else []))
                 torch.cuda.synchronize()
                 finite = torch.isfinite(loss).item() and all(torch.isfinite(g).all().item() for g in grads)
-                print(f"{args.backend} {dtype} ref={with_ref} mining={mining}: loss {loss.item():.5f}"
+                print(f"{args.backend} {dtype} {case} mining={mining}: loss {loss.item():.5f}"
                       + ("" if finite else "  NOT FINITE"), flush=True)
                 if not finite:
                     raise SystemExit(1)

@@ -139,6 +139,34 @@ def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtyp
     assert chosen and all(len(chunks) > 1 and not triangle for chunks, triangle in chosen)
 
 
+def twin_classes_case(batch=97, dim=64, duplicates=10):
+    """A self case whose hardest negatives sit next to the anchor in label order (classes 2k and 2k + 1
+    have nearly the same centre), so inside a row block's positive range, and whose last rows are
+    near-copies of the first under a distant label with the same identity (pairs to skip, which
+    would be the hardest negatives of all)."""
+    gen = torch.Generator().manual_seed(5)
+    classes = batch // 4
+    labels = torch.randint(0, classes, (batch,), generator=gen)
+    centres = torch.randn(classes, dim, generator=gen, dtype=torch.float64)
+    centres[1::2] = centres[0:-1:2] + 0.3 * torch.randn(classes // 2, dim, generator=gen, dtype=torch.float64)
+    x = centres[labels] + 0.5 * torch.randn(batch, dim, generator=gen, dtype=torch.float64)
+    ids = torch.arange(batch)
+    copies = slice(batch - duplicates, batch)
+    x[copies] = x[:duplicates] + 0.01 * torch.randn(duplicates, dim, generator=gen, dtype=torch.float64)
+    labels[copies] = (labels[:duplicates] + classes // 2) % classes
+    ids[copies] = ids[:duplicates]
+    return dict(embeddings=x.float(), labels=labels, ids=ids)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("mining", [True, False])
+def test_hard_negatives_in_the_positive_range_and_skipped_identities(target, mining, reduction):
+    # (the self case's negatives kernel leaves each block's positive range to the positive kernels, and
+    # compares identities only when the caller gives them; float32: the near-copies' similarities are too
+    # steep under beta = 50 for 16-bit rounding to meet a tolerance)
+    check(target, twin_classes_case(), torch.float32, reduction, mining=mining)
+
+
 @pytest.mark.parametrize("batch,dim", [(1, 3), (2, 3), (2, 64), (37, 3), (37, 130), (97, 64), (300, 3), (300, 130)])
 @pytest.mark.parametrize("mining", [True, False])
 def test_sizes(target, batch, dim, mining):
@@ -149,7 +177,8 @@ def test_sizes(target, batch, dim, mining):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mining", [True, False])
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
-@pytest.mark.parametrize("batch,dim", [(97, 130), (37, 300)])  # D = 300: several column blocks of D
+# D = 300: several column blocks of D; B = 300: several row blocks of the GPU's 16-bit tiles too
+@pytest.mark.parametrize("batch,dim", [(97, 130), (37, 300), (300, 64)])
 def test_16_bit_inputs(target, batch, dim, case, mining, dtype):
     kwargs = build_case(case, batch, dim, torch.float64, seed=5)
     for key in ("embeddings", "ref_embeddings"):  # unit rows, exactly representable in `dtype`
@@ -255,6 +284,16 @@ def test_saves_the_cpu_kernels_statistics(target):
     _, cpu_stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, *args)  # (then the pair weights it keeps)
     assert stats.shape == (4, 97)
     torch.testing.assert_close(stats.cpu(), cpu_stats[:4], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("beta", [0.0, -1.0, float("nan")])
+def test_the_triton_op_refuses_a_beta_that_is_not_positive(beta):
+    # (the public API refuses it before; a direct call of the op would sum exp(beta * -inf) = NaN)
+    x, labels = make_batch(8, 4, 3, dtype=torch.float32)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        torch.ops.ms_loss_cuda.triton_forward(x.to(DEVICE), labels.to(DEVICE), None, None, None, None, 2.0, beta, 0.5,
+                                              0.1, True, False)
 
 
 def test_float64_is_refused_with_a_clear_error(target):
@@ -494,12 +533,13 @@ class _TensorOps(TorchDispatchMode):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,most", [("self", 55), ("memory_bank", 77)])
+@pytest.mark.parametrize("case,most", [("self", 56), ("memory_bank", 77)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
     backward (normalised 16-bit rows, "mean") issues 5 kernel launches and at most `most` other ops,
-    as many as today's build (71 and 80 before the trim; the kernels are stubbed out: this counts the
+    as many as today's build (71 and 80 before the trim; the self case's 56th is the label-ordered copy
+    of the anchors that its negatives kernel reads; the kernels are stubbed out: this counts the
     host's work only)."""
     launched = []
     monkeypatch.setattr(triton_kernels.ms_loss.Launch, "__call__", lambda launch: launched.append(launch.kernel))

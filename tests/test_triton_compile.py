@@ -29,7 +29,10 @@ def describe(record):
 
 def test_every_kernel_compiles_for_both_targets(records):
     kernels = {r["kernel"] for r in records}
-    assert kernels == {"_minpos_kernel", "_negatives_kernel", "_finish_kernel", "_scales_kernel[column_lift=False]",
+    assert kernels == {"_minpos_kernel", "_negatives_kernel[check_ids=False][skip_range=True]",
+                       "_negatives_kernel[check_ids=True][skip_range=True]",
+                       "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
+                       "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
                        "_scales_kernel[column_lift=True]",
                        "_grad_kernel[rows=True,cols=True]", "_grad_kernel[rows=True,cols=False]",
                        "_grad_kernel[rows=False,cols=True]", "_weights_kernel[cols=True,one_lift=False,copy=False]",
@@ -43,7 +46,7 @@ def test_every_kernel_compiles_for_both_targets(records):
 
 def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
     products = [r for r in records if r["dtype"] != "float32"  # (the finish and scales kernels have no product)
-                and r["kernel"] != "_finish_kernel" and not r["kernel"].startswith("_scales_kernel")]
+                and not r["kernel"].startswith(("_finish_kernel", "_scales_kernel"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

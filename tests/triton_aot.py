@@ -43,9 +43,10 @@ def launches(dtype_name, dim, mining, skip, cc):
     ref, ref_labels = torch.randn(REF_ROWS, dim, dtype=dtype), torch.randint(0, 100, (REF_ROWS,))
     hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
     found = {}
-    for case, r, rl in (("self", None, None), ("ref", ref, ref_labels)):
+    ids = torch.arange(ROWS) % 97  # (the self case with the caller's identities: the forward compares them)
+    for case, i, r, rl in (("self", None, None, None), ("self", ids, None, None), ("ref", None, ref, ref_labels)):
         capability = divmod(cc, 10)
-        _, stats, forward = forward_plan(x, labels, None, r, rl, None, *hyper, interpret=False, capability=capability)
+        _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
         *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
                                      capability=capability)
         chunked = []
@@ -61,7 +62,9 @@ def launches(dtype_name, dim, mining, skip, cc):
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
             name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
             name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},one_lift={c['ONE_LIFT']},copy={c['COPY']}]"
-            found.setdefault(name, launch)  # the forward kernels are the same in both cases
+            name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
+            name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
+            found.setdefault(name, launch)  # (the launches the cases share are compiled once)
     return found
 
 

@@ -8,9 +8,14 @@ its labels (`positive_ranges`, built on the device with no host sync), and it ma
 over all columns:
 - `_minpos_kernel`: S over the block's positive range -> each anchor's hardest positive (minpos);
 - `_negatives_kernel`: S over all columns, once -> the hardest negative and, since the negatives'
-  mining needs only minpos, the sum of exp over the mined negatives, rescaled online;
+  mining needs only minpos, the sum of exp over the mined negatives, rescaled online. Self case:
+  it reads the anchors in label order and skips the block's positive range, so every column it
+  sees is a negative of the whole block and its tiles carry no labels (SKIP_RANGE: 128 registers
+  for 128 x 64 tiles under Triton 3.6, two programs per multiprocessor, where classifying each
+  pair took 179);
 - `_finish_kernel`: the splits combined in a fixed order, then S over the positive range again for
-  the sum over the mined positives (their mining needs the final maxneg) -> loss and stats [4, B] =
+  the sum over the mined positives (their mining needs the final maxneg) and, in the self case,
+  the range's own negatives (their hardest from _minpos_kernel) -> loss and stats [4, B] =
   (minpos, maxneg, LP, LN);
 - `_grad_kernel`: program (I, d, split) recomputes S_IJ for the split's column blocks J and
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
@@ -39,8 +44,9 @@ and racecheck (synccheck on the previous build), timings in bench/results/gpu/. 
 the tile table have only been compiled. Came after those runs, so interpreted and compiled only:
 the sync-free positive lists (`positive_ranges`, `_positive_columns`; part of the test suite ran
 them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats loader for two
-kernels), the strided grad_output of `_scales_kernel`, and the eager path that skips the custom
-ops' dispatch (ms_loss_cuda/ops.py); and the chunked backward, which is not the default until a GPU
+kernels), the strided grad_output of `_scales_kernel`, the eager path that skips the custom
+ops' dispatch (ms_loss_cuda/ops.py), the self case's negatives pass over label-ordered columns
+(SKIP_RANGE); and the chunked backward, which is not the default until a GPU
 run has timed it (bench/tune_triton.py and the benchmark's triton-chunked providers do; its
 torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
 TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
@@ -79,6 +85,16 @@ def _mined_sets(s, positive, negative, minpos, maxneg, epsilon, MINING: tl.const
         positive = positive & (s - epsilon < maxneg)
         negative = negative & (s + epsilon > minpos)
     return positive, negative
+
+
+@triton.jit
+def _mined_negatives(s, negative, minpos, epsilon, MINING: tl.constexpr):
+    """(the similarities of the negatives, -inf elsewhere; of the mined ones, -inf elsewhere): one
+    float32 tile carries both the value and the set, where a mask beside S would hold registers."""
+    s = tl.where(negative, s, -INF)
+    if MINING:
+        return s, tl.where(s + epsilon > minpos, s, -INF)
+    return s, s
 
 
 @triton.jit
@@ -208,48 +224,67 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
                    segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim, SEGMENTED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Each anchor's hardest positive, from the columns of its block's positive range alone."""
+    """Each anchor's hardest positive, from the columns of its block's positive range alone, and the
+    hardest negative among those columns: minpos [2, B]."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.full((BLOCK_M,), INF, tl.float32)
+    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
                                          BLOCK_M, BLOCK_N, SEGMENTED)
-        s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
-                                    col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, positive, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
+                                           cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
+        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
+    tl.store(minpos_ptr + num_x + rows, maxneg, mask=row_ok)
 
 
 @triton.jit
-def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, minpos_ptr,
-                      part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base, epsilon,
-                      MINING: tl.constexpr,
+def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, range_ptr,
+                      minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base, epsilon,
+                      MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The one pass over all columns (this program's split): the hardest negative, and the sum of
     exp(beta (S - base)) over the mined negatives (which need only minpos, known already), online:
-    rescaled whenever a larger exponent appears. Partials [3, splits, B]: maxneg, shift, sum."""
+    rescaled whenever a larger exponent appears. Partials [3, splits, B]: maxneg, shift, sum.
+    SKIP_RANGE (self case): the columns are the anchors in label order (ref = x[col_order]) and the
+    slots of this block's positive range are left out: the columns of the block's labels, whose
+    negatives _minpos_kernel and _finish_kernel take. Every other column has a label that no anchor
+    of the block has, so it is a negative of each of them, and the tile needs no labels (their
+    [M, N] comparisons took 61 of the 247 registers of a 128 x 128 tile under Triton 3.6); only
+    identities the caller gave can still make a pair of another label not count (CHECK_IDS,
+    ref_ids in the columns' order). Otherwise pairs are classified by their labels and identities."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
     shift = tl.zeros((BLOCK_M,), tl.float32)  # >= 0: the 1 in log(1 + sum) never overflows either
     total = tl.zeros((BLOCK_M,), tl.float32)
+    if SKIP_RANGE:
+        skip_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
+        skip_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
     begin, end = _column_range(num_ref, cols_per_split, 1)
     for start in range(begin, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < end
-        s, _, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
-                                    col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
-        if MINING:
-            negative = negative & (s + epsilon > minpos[:, None])
-        exponent = beta * (s - base)
-        new_shift = tl.maximum(shift, tl.max(tl.where(negative, exponent, -INF), axis=1))
-        total = total * tl.exp(shift - new_shift) + tl.sum(
-            tl.where(negative, tl.exp(exponent - new_shift[:, None]), 0.0), axis=1)
+        if SKIP_RANGE:
+            s = _similarity_tile(x_ptr, ref_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                 PRECISION)
+            negative = (col_ok & ((cols < skip_begin) | (cols >= skip_end)))[None, :]
+            if CHECK_IDS:
+                negative = negative & (id_i[:, None] != tl.load(ref_ids_ptr + cols, mask=col_ok, other=-1)[None, :])
+        else:
+            s, _, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
+                                        cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
+        maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
+        exponent = beta * (mined - base)  # (beta > 0: -inf outside the mined negatives, which adds nothing)
+        new_shift = tl.maximum(shift, tl.max(exponent, axis=1))
+        total = total * tl.exp(shift - new_shift) + tl.sum(tl.exp(exponent - new_shift[:, None]), axis=1)
         shift = new_shift
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
@@ -261,10 +296,12 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
 def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
                    segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim,
                    splits, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                   SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The splits combined in their order (maxneg, LN); then the positive sum over the positive range
-    (the positives' mining needs the final maxneg); stats [4, B] = (minpos, maxneg, LP, LN), loss."""
+                   SEGMENTED: tl.constexpr, SKIP_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The splits combined in their order (maxneg, LN), with the positive range's own negatives where
+    the negatives kernel skipped it (SKIP_RANGE: their maxneg from _minpos_kernel, their sum here);
+    then the positive sum over the positive range (the positives' mining needs the final maxneg);
+    stats [4, B] = (minpos, maxneg, LP, LN), loss."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
@@ -278,19 +315,27 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
         sum_n = sum_n * tl.exp(shift_n - new_shift) + total_k * tl.exp(shift_k - new_shift)
         shift_n = new_shift
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
-    shift_p, unused_shift_n = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
+    if SKIP_RANGE:
+        maxneg = tl.maximum(maxneg, tl.load(minpos_ptr + num_x + rows, mask=row_ok, other=-INF))
+    # the final shifts: the exponents of the hardest mined pairs (_shifts), never below the splits'
+    # shift, so the range's negatives are summed at a fixed shift, as the positives are
+    shift_p, shift = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
+    sum_n *= tl.exp(shift_n - shift)
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
                                          BLOCK_M, BLOCK_N, SEGMENTED)
-        s, positive, _ = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols,
-                                    col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, positive, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
+                                           cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        if SKIP_RANGE:
+            unused_s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
+            sum_n += tl.sum(tl.exp(beta * (mined - base) - shift[:, None]), axis=1)
         if MINING:
             positive = positive & (s - epsilon < maxneg[:, None])
         sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
     lp = shift_p + tl.log(tl.exp(-shift_p) + sum_p)
-    ln = shift_n + tl.log(tl.exp(-shift_n) + sum_n)
+    ln = shift + tl.log(tl.exp(-shift) + sum_n)
     counts = _anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE)
     tl.store(loss_ptr + rows, tl.where(counts, lp / alpha + ln / beta, 0.0), mask=row_ok)
     tl.store(stats_ptr + rows, minpos, mask=row_ok)
@@ -546,12 +591,14 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
 
     From sweeps on an H100 (bench/tune_triton.py, B = 16384, D = 512, 2026-11-22; results in
     bench/results/gpu/). 16-bit forward: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3
-    stages: 1.14 ms against 1.31 for 128 x 64. 16-bit backward: 64 rows, 64 x 32 pair tiles, a
-    float32 accumulator of up to 512 columns of D (S computed once per pair tile for D <= 512), 3
-    stages: 4.48 ms against 5.71 with 2 stages and 5.44 for 256 columns (which computes S twice at
-    D = 512); 2 stages for D <= 256, where 3 spill on sm_80. On sm_90 (capability >= 9.0) the
-    column anchors' statistics are loaded before S (EARLY_COLUMN_TERMS: 3.85 ms against 4.50 in one
-    run), which spills on sm_80.
+    stages: 1.14 ms against 1.31 for 128 x 64, both one program per multiprocessor then (247 and 179
+    registers under Triton 3.6). Since the self case's negatives kernel stopped classifying pairs
+    (SKIP_RANGE) they take 186 and 128: 128 x 64 now fits two programs, to be timed again.
+    16-bit backward: 64 rows, 64 x 32 pair tiles, a float32 accumulator of up to 512 columns of D
+    (S computed once per pair tile for D <= 512), 3 stages: 4.48 ms against 5.71 with 2 stages and
+    5.44 for 256 columns (which computes S twice at D = 512); 2 stages for D <= 256, where 3 spill
+    on sm_80. On sm_90 (capability >= 9.0) the column anchors' statistics are loaded before S
+    (EARLY_COLUMN_TERMS: 3.85 ms against 4.50 in one run), which spills on sm_80.
     Faster entries that spill registers were left out (64 x 64 backward tiles: 4.00 ms against 4.35,
     308 bytes of spills on sm_90; float32: 45 ms forward, 193 ms backward against 82 and 377).
     float32 runs IEEE FMA products on small single-stage
@@ -749,6 +796,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     positive range, one pass over all columns (per column split) for the negatives, and one launch
     that combines the splits and sums the positives (`positive_ranges`)."""
     _check_dtypes(x, ref)
+    if not beta > 0:  # (the public API refuses it too; the negatives' sums rely on it: _negatives_kernel)
+        raise ValueError(f"beta must be > 0, got {beta}")
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     loss = torch.empty(num_x, dtype=torch.float32, device=x.device)  # (_finish_kernel writes every row)
@@ -760,24 +809,37 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                                                                               ref is None)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
                                            multiprocessors or _multiprocessors(x.device, interpret))
-    minpos = torch.empty(num_x, dtype=torch.float32, device=x.device)
+    minpos = torch.empty(2, num_x, dtype=torch.float32, device=x.device)  # (and the positive ranges' maxneg)
     partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
     tensors = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
-                   ref_ids_ptr=b_ids, row_order_ptr=row_order, minpos_ptr=minpos, num_x=num_x, dim=dim)
+                   ref_ids_ptr=b_ids, row_order_ptr=row_order, range_ptr=ranges, minpos_ptr=minpos, num_x=num_x,
+                   dim=dim)
     segmented = segment_end is not None  # (unsegmented: the kernels never read the two, any pointer will do)
     positives = dict(col_order_ptr=col_order, segment_end_ptr=segment_end if segmented else col_order,
-                     column_shift_ptr=column_shift if segmented else col_order, range_ptr=ranges)
+                     column_shift_ptr=column_shift if segmented else col_order)
+    # Self case: the negatives kernel reads the anchors in label order (a copy, B x D) and skips each block's
+    # positive range (_negatives_kernel's SKIP_RANGE). A reference set keeps its order: no copy of a memory bank.
+    skip_range, check_ids, columns = ref is None, ref is None and ids is not None, {}
+    if skip_range:
+        columns["ref_ptr"] = a.index_select(0, col_order)
+    if check_ids:
+        columns["ref_ids_ptr"] = a_ids.index_select(0, col_order)
+    # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
+    # of 128 would be half empty), and _finish_kernel's two sums spill on 128 x 128 (sm_80, Triton 3.9)
+    in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
     launches = [
-        Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), dict(config, SEGMENTED=segmented),
+        Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), dict(in_range, SEGMENTED=segmented),
                warps, stages),
         Launch(_negatives_kernel, (row_programs, splits),
-               dict(tensors, part_ptr=partials, num_ref=b.shape[0], splits=splits, cols_per_split=cols_per_split,
-                    beta=beta, base=base, epsilon=epsilon), dict(config, MINING=mining), warps, stages),
+               dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
+                    cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon),
+               dict(config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), warps,
+               stages),
         Launch(_finish_kernel, (row_programs,),
                dict(tensors, **positives, part_ptr=partials, stats_ptr=stats, loss_ptr=loss, splits=splits,
                     alpha=alpha, beta=beta, base=base, epsilon=epsilon),
-               dict(config, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, SEGMENTED=segmented), warps,
-               stages),
+               dict(in_range, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, SEGMENTED=segmented,
+                    SKIP_RANGE=skip_range), warps, stages),
     ]
     return loss, stats, launches
 
@@ -940,7 +1002,7 @@ def plan_cost(launches, num_x, num_ref, dim):
         programs[name] = min(programs.get(name, grid[0] * grid[1] * grid[2]), grid[0] * grid[1] * grid[2])
         s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * _cdiv(args["dim"], c["BLOCK_K"])
         per_tile = s_tile + (2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"] if "BLOCK_D" in c else 0)
-        if "range_ptr" in args:  # the positive ranges: their tiles, row block by row block
+        if "col_order_ptr" in args:  # the positive ranges: their tiles, row block by row block
             lengths = (args["range_ptr"][:, 1] - args["range_ptr"][:, 0]).tolist()
             flops += per_tile * sum(_cdiv(n, c["BLOCK_N"]) for n in lengths)
             continue
