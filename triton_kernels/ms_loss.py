@@ -211,6 +211,19 @@ def _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, e
     return tl.load(col_order_ptr + slots, mask=col_ok, other=0), col_ok
 
 
+@triton.jit
+def _positive_range_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr,
+                         rows, row_ok, label_i, id_i, start, end, num_x, dim, SEGMENTED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """(S, positive, negative) of the rows against slots start .. start + BLOCK_N (before `end`) of
+    their block's positive list."""
+    cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, end, num_x, BLOCK_M,
+                                     BLOCK_N, SEGMENTED)
+    return _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
+                      BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+
+
 # ---- kernels --------------------------------------------------------------------------------
 @triton.jit
 def _column_range(num_ref, cols_per_split, split_axis: tl.constexpr):
@@ -232,10 +245,9 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
-        cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
-                                         BLOCK_M, BLOCK_N, SEGMENTED)
-        s, positive, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
-                                           cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, positive, negative = _positive_range_tile(
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
+            label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
@@ -324,10 +336,9 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
-        cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, range_end, num_x,
-                                         BLOCK_M, BLOCK_N, SEGMENTED)
-        s, positive, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
-                                           cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, positive, negative = _positive_range_tile(
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
+            label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if SKIP_RANGE:
             unused_s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
             sum_n += tl.sum(tl.exp(beta * (mined - base) - shift[:, None]), axis=1)
