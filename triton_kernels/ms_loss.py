@@ -67,6 +67,7 @@ from ..loss import _check_inputs
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 INF = tl.constexpr(float("inf"))  # a global a jit function may read
+LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
 
 
 # ---- per-pair math --------------------------------------------------------------------------
@@ -129,7 +130,9 @@ def _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING: tl.constexpr):
 @triton.jit
 def _pair_weights(s, positive, negative, lp, ln, alpha, beta, base):
     """dL_i/dS_ij (General Pair Weighting); 0 outside the mined sets. One exponential per pair: its
-    class picks the exponent."""
+    class picks the exponent. (Not the base-2 form of _negatives_kernel: in _weights_kernel it took
+    141-150 registers under Triton 3.6 instead of 128, one program per multiprocessor instead of two,
+    and it saved _grad_kernel's small tiles nothing.)"""
     w = tl.exp(tl.where(positive, -alpha * (s - base) - lp, beta * (s - base) - ln))
     return tl.where(positive, -w, tl.where(negative, w, 0.0))
 
@@ -276,6 +279,7 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
     shift = tl.zeros((BLOCK_M,), tl.float32)  # >= 0: the 1 in log(1 + sum) never overflows either
     total = tl.zeros((BLOCK_M,), tl.float32)
+    slope, offset = beta * LOG2E, beta * base * LOG2E
     if SKIP_RANGE:
         skip_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
         skip_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
@@ -294,13 +298,17 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
                                         cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
         maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
-        exponent = beta * (mined - base)  # (beta > 0: -inf outside the mined negatives, which adds nothing)
+        # base-2 exponents beta (S - base) log2(e): one FMA and one exp2 (ex2.approx.ftz) a pair, where
+        # tl.exp's multiply and denormal fix-up took four more (SASS of the 128 x 128 tile, sm_90, Triton
+        # 3.6: 1512 instructions against 1832); terms below 2^-126 of the shift flush to 0. (beta > 0:
+        # -inf outside the mined negatives, which adds nothing)
+        exponent = mined * slope - offset
         new_shift = tl.maximum(shift, tl.max(exponent, axis=1))
-        total = total * tl.exp(shift - new_shift) + tl.sum(tl.exp(exponent - new_shift[:, None]), axis=1)
+        total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(exponent - new_shift[:, None]), axis=1)
         shift = new_shift
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
-    tl.store(part_ptr + (splits + split) * num_x + rows, shift, mask=row_ok)
+    tl.store(part_ptr + (splits + split) * num_x + rows, shift * LN2, mask=row_ok)  # (natural log again)
     tl.store(part_ptr + (2 * splits + split) * num_x + rows, total, mask=row_ok)
 
 
@@ -604,7 +612,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     bench/results/gpu/). 16-bit forward: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3
     stages: 1.14 ms against 1.31 for 128 x 64, both one program per multiprocessor then (247 and 179
     registers under Triton 3.6). Since the self case's negatives kernel stopped classifying pairs
-    (SKIP_RANGE) they take 186 and 128: 128 x 64 now fits two programs, to be timed again.
+    (SKIP_RANGE) and took its exponentials in base 2 they take 235 and 128: 128 x 64 now fits two
+    programs, to be timed again.
     16-bit backward: 64 rows, 64 x 32 pair tiles, a float32 accumulator of up to 512 columns of D
     (S computed once per pair tile for D <= 512), 3 stages: 4.48 ms against 5.71 with 2 stages and
     5.44 for 256 columns (which computes S twice at D = 512); 2 stages for D <= 256, where 3 spill
