@@ -275,14 +275,23 @@ def test_opcheck(target, case):
     torch.library.opcheck(target.backward, (torch.rand_like(loss), stats.detach()) + detached)
 
 
-def test_saves_the_cpu_kernels_statistics(target):
-    kwargs = build_case("ref_ids", 97, 64, torch.float32, seed=4)
-    x, ref = F.normalize(kwargs["embeddings"], dim=1), F.normalize(kwargs["ref_embeddings"], dim=1)
+@pytest.mark.parametrize("case", ["ref_ids", "separated"])
+def test_saves_the_cpu_kernels_statistics(target, case):
+    if case == "separated":  # 16 classes at the corners of a simplex (cosine -1/15): every hardest negative is
+        # below 0, so a padded column's S = 0 taken for a negative would show in maxneg
+        gen = torch.Generator().manual_seed(4)  # (B = 300: a last tile far from some blocks' positive ranges)
+        labels = torch.arange(300) % 16
+        corners = F.pad(torch.eye(16) - 1 / 16, (0, 48))
+        x = F.normalize(corners[labels] + 0.005 * torch.randn(300, 64, generator=gen), dim=1)
+        ref, kwargs = None, dict(labels=labels, ids=None, ref_labels=None, ref_ids=None)
+    else:
+        kwargs = build_case("ref_ids", 97, 64, torch.float32, seed=4)
+        x, ref = F.normalize(kwargs["embeddings"], dim=1), F.normalize(kwargs["ref_embeddings"], dim=1)
     args = (kwargs["labels"], kwargs["ids"], ref, kwargs["ref_labels"], kwargs["ref_ids"], 2.0, 50.0, 0.5, 0.1, True, False)
     on_device = [a.to(target.device) if isinstance(a, torch.Tensor) else a for a in args]
     _, stats = target.forward(x.to(target.device), *on_device)
     _, cpu_stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, *args)  # (then the pair weights it keeps)
-    assert stats.shape == (4, 97)
+    assert stats.shape == (4, x.shape[0])
     torch.testing.assert_close(stats.cpu(), cpu_stats[:4], rtol=1e-5, atol=1e-6)
 
 
