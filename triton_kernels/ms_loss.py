@@ -291,8 +291,7 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
             s = _similarity_tile(x_ptr, ref_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                  PRECISION)
             # only a tile across the split's end or the skipped range needs its columns masked; the rest,
-            # nearly all, skip the comparisons (the 128 x 128 tile's SASS, sm_90, Triton 3.6: 1320
-            # instructions with both branches, against 1512 with the mask on every tile; 205 registers)
+            # nearly all, skip the comparisons
             if (start + BLOCK_N > end) | ((start + BLOCK_N > skip_begin) & (start < skip_end)):
                 s = tl.where((col_ok & ((cols < skip_begin) | (cols >= skip_end)))[None, :], s, -INF)
             negative = True  # (-inf marks the rest)
@@ -303,13 +302,14 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
                                         cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
         maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
-        # base-2 exponents beta (S - base) log2(e): one FMA and one exp2 (ex2.approx.ftz) a pair, where
-        # tl.exp's multiply and denormal fix-up took four more (SASS of the 128 x 128 tile, sm_90, Triton
-        # 3.6: 1512 instructions against 1832); terms below 2^-126 of the shift flush to 0. (beta > 0:
-        # -inf outside the mined negatives, which adds nothing)
-        exponent = mined * slope - offset
-        new_shift = tl.maximum(shift, tl.max(exponent, axis=1))
-        total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(exponent - new_shift[:, None]), axis=1)
+        # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
+        # (ex2.approx.ftz) a pair, where tl.exp took a multiply and a fix-up for subnormals besides; terms
+        # below 2^-126 of the shift flush to 0. (beta > 0: -inf outside the mined negatives, adding nothing.)
+        # With the unmasked tiles above: 1256 SASS instructions for the 128 x 128 tile where masking
+        # every tile and tl.exp took 1832 (sm_90, Triton 3.6)
+        new_shift = tl.maximum(shift, tl.max(mined, axis=1) * slope - offset)
+        total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(mined * slope - (new_shift + offset)[:, None]),
+                                                             axis=1)
         shift = new_shift
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
@@ -617,7 +617,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     bench/results/gpu/). 16-bit forward: 128 x 128 tiles, 8 warps (two Hopper warpgroups), 3
     stages: 1.14 ms against 1.31 for 128 x 64, both one program per multiprocessor then (247 and 179
     registers under Triton 3.6). Since the self case's negatives kernel stopped classifying pairs
-    (SKIP_RANGE) and took its exponentials in base 2 they take 205 and 128: 128 x 64 now fits two
+    (SKIP_RANGE) and took its exponentials in base 2 they take 198 and 128: 128 x 64 now fits two
     programs, to be timed again.
     16-bit backward: 64 rows, 64 x 32 pair tiles, a float32 accumulator of up to 512 columns of D
     (S computed once per pair tile for D <= 512), 3 stages: 4.48 ms against 5.71 with 2 stages and
