@@ -158,6 +158,18 @@ def twin_classes_case(batch=97, dim=64, duplicates=10):
     return dict(embeddings=x.float(), labels=labels, ids=ids)
 
 
+@pytest.mark.skipif(triton_kernels is None, reason="Triton missing")
+def test_identities_shared_across_labels_are_found():
+    # (the flag that makes the self case's negatives kernel compare the caller's identities)
+    shared = triton_kernels.ms_loss._shared_identities
+    labels = torch.tensor([0, 0, 1, 1, 2], dtype=torch.int32)
+    assert shared(torch.tensor([5, 6, 7, 8, 9], dtype=torch.int32), labels).tolist() == [0]  # distinct
+    assert shared(torch.tensor([5, 5, 7, 7, 9], dtype=torch.int32), labels).tolist() == [0]  # within a label
+    assert shared(torch.tensor([5, 6, 7, 5, 9], dtype=torch.int32), labels).tolist() == [1]  # labels 0 and 1
+    assert shared(torch.tensor([9, 6, 7, 8, 9], dtype=torch.int32), labels).tolist() == [1]  # labels 0 and 2
+    assert shared(torch.tensor([3], dtype=torch.int32), labels[:1]).tolist() == [0]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("mining", [True, False])
 def test_hard_negatives_in_the_positive_range_and_skipped_identities(target, mining, reduction):

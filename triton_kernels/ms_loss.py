@@ -259,7 +259,8 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
 
 @triton.jit
 def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, range_ptr,
-                      minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base, epsilon,
+                      shared_ids_ptr, minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base,
+                      epsilon,
                       MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -272,7 +273,9 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
     of the block has, so it is a negative of each of them, and the tile needs no labels (their
     [M, N] comparisons took 61 of the 247 registers of a 128 x 128 tile under Triton 3.6); only
     identities the caller gave can still make a pair of another label not count (CHECK_IDS,
-    ref_ids in the columns' order). Otherwise pairs are classified by their labels and identities."""
+    ref_ids in the columns' order), and only where one identity is shared by rows of different
+    labels (shared_ids_ptr, a flag computed on the device: `_shared_identities`), which a batch of
+    distinct samples never has. Otherwise pairs are classified by their labels and identities."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
@@ -283,6 +286,8 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
     if SKIP_RANGE:
         skip_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
         skip_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
+    if CHECK_IDS:
+        ids_shared = tl.load(shared_ids_ptr) != 0
     begin, end = _column_range(num_ref, cols_per_split, 1)
     for start in range(begin, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -294,9 +299,10 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
             # nearly all, skip the comparisons
             if (start + BLOCK_N > end) | ((start + BLOCK_N > skip_begin) & (start < skip_end)):
                 s = tl.where((col_ok & ((cols < skip_begin) | (cols >= skip_end)))[None, :], s, -INF)
-            negative = True  # (-inf marks the rest)
             if CHECK_IDS:
-                negative = id_i[:, None] != tl.load(ref_ids_ptr + cols, mask=col_ok, other=-1)[None, :]
+                if ids_shared:
+                    s = tl.where(id_i[:, None] != tl.load(ref_ids_ptr + cols, mask=col_ok, other=-1)[None, :], s, -INF)
+            negative = True  # (-inf marks the rest)
         else:
             s, _, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
                                         cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
@@ -815,6 +821,16 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
     return row_order, col_order.to(torch.int32), segment_end, column_shift, ranges
 
 
+def _shared_identities(ids, labels):
+    """int32 [1]: nonzero where one identity is shared by rows of different labels, a pair the self
+    case's negatives kernel must then skip by comparing identities (CHECK_IDS); found on the device
+    (no host sync): within each run of equal identities, sorted, two neighbours of different labels."""
+    ids_sorted, order = torch.sort(ids, stable=True)
+    labels_sorted = labels[order]
+    clash = (ids_sorted[1:] == ids_sorted[:-1]) & (labels_sorted[1:] != labels_sorted[:-1])
+    return clash.any().to(torch.int32).reshape(1)
+
+
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
                  skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None, capability=None):
     """(loss [B], stats [4, B], launches that fill them): the hardest positive from each block's
@@ -844,11 +860,12 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                      column_shift_ptr=column_shift if segmented else col_order)
     # Self case: the negatives kernel reads the anchors in label order (a copy, B x D) and skips each block's
     # positive range (_negatives_kernel's SKIP_RANGE). A reference set keeps its order: no copy of a memory bank.
-    skip_range, check_ids, columns = ref is None, ref is None and ids is not None, {}
+    skip_range, check_ids = ref is None, ref is None and ids is not None
+    columns = dict(shared_ids_ptr=a_ids)  # (read with CHECK_IDS only: any pointer will do otherwise)
     if skip_range:
         columns["ref_ptr"] = a.index_select(0, col_order)
     if check_ids:
-        columns["ref_ids_ptr"] = a_ids.index_select(0, col_order)
+        columns.update(ref_ids_ptr=a_ids.index_select(0, col_order), shared_ids_ptr=_shared_identities(a_ids, a_labels))
     # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
     # of 128 would be half empty), and _finish_kernel's two sums spill on 128 x 128 (sm_80, Triton 3.9)
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
