@@ -308,7 +308,7 @@ def test_saves_the_cpu_kernels_statistics(target, case):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("beta", [0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("beta", [0.0, -1.0, float("nan"), 1e-45])  # (1e-45: 0 in float32)
 def test_the_triton_op_refuses_a_beta_that_is_not_positive(beta):
     # (the public API refuses it before; a direct call of the op would sum exp(beta * -inf) = NaN)
     x, labels = make_batch(8, 4, 3, dtype=torch.float32)

@@ -68,6 +68,7 @@ from ..loss import _check_inputs
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 INF = tl.constexpr(float("inf"))  # a global a jit function may read
 LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
+FLOAT32_TINY = 2.0 ** -126
 
 
 # ---- per-pair math --------------------------------------------------------------------------
@@ -349,7 +350,8 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     if SKIP_RANGE:
         maxneg = tl.maximum(maxneg, tl.load(minpos_ptr + num_x + rows, mask=row_ok, other=-INF))
     # the final shifts: the exponents of the hardest mined pairs (_shifts), never below the splits'
-    # shift, so the range's negatives are summed at a fixed shift, as the positives are
+    # shift (up to a few ulps of rounding), so the range's negatives are summed at a fixed shift, as the
+    # positives are
     shift_p, shift = _shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
     sum_n *= tl.exp(shift_n - shift)
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
@@ -837,8 +839,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     positive range, one pass over all columns (per column split) for the negatives, and one launch
     that combines the splits and sums the positives (`positive_ranges`)."""
     _check_dtypes(x, ref)
-    if not beta > 0:  # (the public API refuses it too; the negatives' sums rely on it: _negatives_kernel)
-        raise ValueError(f"beta must be > 0, got {beta}")
+    if not beta >= FLOAT32_TINY:  # (the negatives' sums rely on beta > 0 in float32: _negatives_kernel)
+        raise ValueError(f"beta must be > 0 (at least float32's smallest normal number, 1.2e-38), got {beta}")
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     loss = torch.empty(num_x, dtype=torch.float32, device=x.device)  # (_finish_kernel writes every row)
