@@ -1,0 +1,73 @@
+"""Registers, spills and SASS instruction counts of the Triton kernels as the dispatcher launches
+them, compiled ahead of time (no GPU needed: Triton's own ptxas and nvdisasm), with the shipped
+tiles or others. The numbers the README gives for Triton 3.6 (the GPU machines' version) come from
+this script run with 3.6 on the path; tests/triton_aot.py checks every launch for spills with the
+Triton the project pins.
+    python bench/kernel_resources.py [--cc 90] [--dtype float16] [--kernels _negatives _weights]
+                                     [--tiles 128,64,64,8,3 ...]
+The SASS count is the whole kernel, both sides of every branch."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import triton_aot  # noqa: E402  (the dispatcher's launches and Triton's launch-time specialisation)
+
+
+def resources(launch, cc):
+    sig, attrs = triton_aot.signature(launch)
+    compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
+                              target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    ptxas = get_ptxas(cc).path
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([ptxas, "-v", f"-arch={triton_aot.TARGETS[cc]}", ptx, "-o", ptx + ".cubin"],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", ptx + ".cubin"],
+                              capture_output=True, text=True, check=True).stdout
+    number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
+    instructions = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+    return number(r"Used (\d+) registers"), number(r"(\d+) bytes spill stores"), instructions
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cc", type=int, default=90, choices=sorted(triton_aot.TARGETS))
+    parser.add_argument("--dtype", default="float16", choices=triton_aot.DTYPES)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--kernels", nargs="+", default=["_negatives", "_minpos", "_finish", "_weights", "_grad"],
+                        help="name prefixes")
+    parser.add_argument("--tiles", nargs="*", default=[],
+                        help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages, each besides the shipped tiles")
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on")
+    for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
+        if not name.startswith(tuple(args.kernels)):
+            continue
+        for tiles in [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]:
+            launch = shipped
+            if tiles:
+                block_m, block_n, block_k, warps, stages = tiles
+                launch = shipped._replace(constexprs=dict(shipped.constexprs, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                          BLOCK_K=block_k), num_warps=warps, num_stages=stages)
+            c = launch.constexprs
+            shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {launch.num_warps} warps, "
+                     f"{launch.num_stages} stages")
+            registers, spills, instructions = resources(launch, args.cc)
+            print(f"{name:55s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
