@@ -2,7 +2,9 @@
 this under memcheck, racecheck and synccheck): each dtype, the self case, a reference set with
 and without a gradient (a memory bank takes none), mining on and off, partial row/column/K tiles
 and column splits (B = 97, R = 151, D = 130), and the self case with identities over several row
-blocks (B = 300: the forward skips each block's positive range and compares the identities);
+blocks (B = 300: the forward skips each block's positive range and compares the identities): some
+shared by rows of different labels (self_ids: the flag that makes every tile compare them) and all
+distinct (self_distinct_ids: the label-free tiles of the backward's label order);
 triton-chunked: the triton backend with its chunked
 backward, one tile row (or column) of weights per chunk. Exits non-zero when a result is not finite.
 Usage: python bench/gpu_sanitize.py --backend triton|triton-chunked|cuda
@@ -25,14 +27,14 @@ def main():
     gen = torch.Generator().manual_seed(0)
     batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for case in ("self", "ref", "bank", "self_ids"):
+        for case in ("self", "ref", "bank", "self_ids", "self_distinct_ids"):
             for mining in (True, False):
-                rows = 300 if case == "self_ids" else batch
+                rows = 300 if case.endswith("ids") else batch
                 x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
                 labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()
                 extra = {}
-                if case == "self_ids":
-                    extra = dict(ids=torch.arange(rows, device="cuda") % 150)
+                if case.endswith("ids"):
+                    extra = dict(ids=torch.arange(rows, device="cuda") % (150 if case == "self_ids" else 1000))
                 elif case != "self":  # a memory bank takes no gradient
                     ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(case == "ref")
                     extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())

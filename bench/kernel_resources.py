@@ -65,7 +65,7 @@ def main():
             shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {launch.num_warps} warps, "
                      f"{launch.num_stages} stages")
             registers, spills, instructions = resources(launch, args.cc)
-            print(f"{name:55s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS",
+            print(f"{name:95s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS",
                   flush=True)
 
 

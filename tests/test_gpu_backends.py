@@ -554,14 +554,15 @@ class _TensorOps(TorchDispatchMode):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,most", [("self", 56), ("memory_bank", 77)])
+@pytest.mark.parametrize("case,most", [("self", 69), ("memory_bank", 77)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
     backward (normalised 16-bit rows, "mean") issues 5 kernel launches and at most `most` other ops,
     as many as today's build (71 and 80 before the trim; the self case's 56th is the label-ordered copy
-    of the anchors that its negatives kernel reads; the kernels are stubbed out: this counts the
-    host's work only)."""
+    of the anchors that its negatives kernel reads, and the 13 after it put its backward in label
+    order: a sort, the ranges, four gathers; the kernels are stubbed out: this counts the host's work
+    only)."""
     launched = []
     monkeypatch.setattr(triton_kernels.ms_loss.Launch, "__call__", lambda launch: launched.append(launch.kernel))
     x, labels = make_batch(97, 128, 12, dtype=torch.float16)

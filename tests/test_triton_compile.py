@@ -28,20 +28,25 @@ def describe(record):
 
 
 def test_every_kernel_compiles_for_both_targets(records):
-    kernels = {r["kernel"] for r in records}
-    assert kernels == {"_minpos_kernel", "_negatives_kernel[check_ids=False][skip_range=True]",
-                       "_negatives_kernel[check_ids=True][skip_range=True]",
-                       "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
-                       "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
-                       "_scales_kernel[column_lift=True]",
-                       "_grad_kernel[rows=True,cols=True]", "_grad_kernel[rows=True,cols=False]",
-                       "_grad_kernel[rows=False,cols=True]", "_weights_kernel[cols=True,one_lift=False,copy=False]",
-                       "_weights_kernel[cols=True,one_lift=True,copy=False]",
-                       "_weights_kernel[cols=False,one_lift=False,copy=False]",
-                       "_weights_kernel[cols=False,one_lift=False,copy=True]"}
+    kernels = {"_minpos_kernel", "_negatives_kernel[check_ids=False][skip_range=True]",
+               "_negatives_kernel[check_ids=True][skip_range=True]",
+               "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
+               "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
+               "_scales_kernel[column_lift=True]", "_grad_kernel[rows=True,cols=False][check_ids=False]",
+               "_grad_kernel[rows=False,cols=True][check_ids=False]",
+               "_weights_kernel[cols=False,one_lift=False,copy=False][check_ids=False]",
+               "_weights_kernel[cols=False,one_lift=False,copy=True][check_ids=False]"}
+    # the self case's chunked backward in label order, with and without the caller's identities, and its
+    # positive ranges' launch
+    kernels |= {f"_weights_kernel[cols=True,one_lift={lift},copy=False][check_ids={ids}][label_order]{ranges}"
+                for lift in (False, True) for ids in (False, True) for ranges in ("", "[range_tiles]")}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
-            assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == kernels
+            # the fused backward takes the self case in label order with 16-bit tiles on sm_90 (tile_config)
+            fused = ({f"_grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
+                     if dtype in ("float16", "bfloat16") and cc == 90 else
+                     {"_grad_kernel[rows=True,cols=True][check_ids=False]"})
+            assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == kernels | fused
 
 
 def test_16_bit_and_tf32_kernels_use_tensor_cores(records):

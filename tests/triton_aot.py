@@ -47,13 +47,13 @@ def launches(dtype_name, dim, mining, skip, cc):
     for case, i, r, rl in (("self", None, None, None), ("self", ids, None, None), ("ref", None, ref, ref_labels)):
         capability = divmod(cc, 10)
         _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
-        *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper, interpret=False,
+        *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,
                                      capability=capability)
         chunked = []
         for mib in ("64", "16"):  # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
             with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
                 for ref_grad in (True, False):
-                    chunked += backward_plan(torch.ones(ROWS), stats, x, labels, None, r, rl, None, *hyper,
+                    chunked += backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper,
                                              ref_grad=ref_grad, interpret=False, capability=capability)[-1]
         for launch in forward + backward + chunked:
             if not isinstance(launch, Launch):
@@ -64,6 +64,8 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},one_lift={c['ONE_LIFT']},copy={c['COPY']}]"
             name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
             name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
+            name += "[label_order]" if c.get("LABEL_ORDER") else ""
+            name += "[range_tiles]" if c.get("RANGE_TILES") else ""
             found.setdefault(name, launch)  # (the launches the cases share are compiled once)
     return found
 

@@ -21,6 +21,10 @@ over all columns:
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomic additions, the same bits on every run.
+- The self case's backward runs in label order (`_label_order`: the anchors, their keys, stats and
+  grad_output permuted), so a tile beside its row block's positive range holds negatives only and
+  takes its weights with no labels and one FMA and exp2 per pair and end (LABEL_ORDER,
+  `_negative_weights`); the gradient's rows go back to the caller's order as they are stored.
 - the chunked backward (opt-in: $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`): `_weights_kernel` writes
   H (lifted, in the input dtype) for a chunk into a buffer within that budget reused by every chunk,
   and cuBLAS makes the second product (`Product`: float32 sums and result), so the 512-wide
@@ -31,7 +35,9 @@ over all columns:
   and 64 MiB where _grad_kernel takes 2); else chunks of whole rows. Memory bank: all anchors against
   a chunk of its rows (2, as the fused form). A reference set that takes a gradient gets a second
   copy of the chunk's weights (one lift for its rows) and dref from it: S once for dx and dref, 3
-  GEMM-equivalents where the fused form takes 4.
+  GEMM-equivalents where the fused form takes 4. Self case: the weights kernel takes every pair as a
+  negative, and a second, small launch per chunk (RANGE_TILES) rewrites the columns of each row
+  block's positive range with classified weights: the branch would have cost both paths' registers.
 `plan_cost` counts the work of a plan's launches in GEMM-equivalents.
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
@@ -46,8 +52,8 @@ the sync-free positive lists (`positive_ranges`, `_positive_columns`; part of th
 them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats loader for two
 kernels), the strided grad_output of `_scales_kernel`, the eager path that skips the custom
 ops' dispatch (ms_loss_cuda/ops.py), the self case's negatives pass over label-ordered columns
-(SKIP_RANGE); and the chunked backward, which is not the default until a GPU
-run has timed it (bench/tune_triton.py and the benchmark's triton-chunked providers do; its
+(SKIP_RANGE), its backward in label order (LABEL_ORDER, RANGE_TILES); and the chunked backward,
+which is not the default until a GPU run has timed it (bench/tune_triton.py and the benchmark's triton-chunked providers do; its
 torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
 TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
 its own), and the PTX/ptxas facts of every shipped configuration and of the chunked backward's
@@ -145,6 +151,18 @@ def _scaled_weights(s, positive, negative, minpos, maxneg, lp, ln, scale, alpha,
     anchors) or [1, N] rows (column anchors)."""
     p, n = _mined_sets(s, positive, negative, minpos, maxneg, epsilon, MINING)
     return scale * _pair_weights(s, p, n, lp, ln, alpha, beta, base)
+
+
+@triton.jit
+def _negative_weights(s, minpos, ln2, scale, slope, epsilon, MINING: tl.constexpr):
+    """scale x dL/dS of pairs that are all negatives of their anchors (a label-free tile; S = -inf where a
+    pair does not count): in base 2, one FMA and one exp2 a pair (slope = beta log2(e), ln2 = (LN + beta
+    base) log2(e) of the anchor), where the negative is mined. Exponents are <= 0 there, as LN >= beta
+    (maxneg - base) (`_shifts`)."""
+    w = scale * tl.exp2(s * slope - ln2)
+    if MINING:
+        w = tl.where(s + epsilon > minpos, w, 0.0)
+    return w
 
 
 # ---- tiles ----------------------------------------------------------------------------------
@@ -432,27 +450,39 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
 
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
-                 stats_ptr, scale_ptr, norm_ptr, row_scale_ptr, out_ptr,
+                 stats_ptr, scale_ptr, norm_ptr, row_scale_ptr, range_ptr, shared_ids_ptr, out_rows_ptr, out_ptr,
                  num_a, num_b, num_anchors, dim, cols_per_split, alpha, beta, base, epsilon,
                  MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                 A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr,
+                 A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                  EARLY_COLUMN_TERMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
     (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS).
     Row r of H enters the product times row_scale[r] (a power of 2, see _scales_kernel) and leaves it
     divided by it. EARLY_COLUMN_TERMS: the column anchors' stats are loaded before S, not after (a
-    register cost that sm_80 cannot pay without spilling)."""
+    register cost that sm_80 cannot pay without spilling).
+    LABEL_ORDER (self case): a = b are the anchors in label order (`_label_order`), so a tile outside
+    the row block's positive range (range_ptr) holds negatives only, and takes its weights without
+    labels (`_negative_weights`), unless identities the caller gave are shared by rows of different
+    labels (CHECK_IDS: the flag at shared_ids_ptr, `_shared_identities`), where every tile classifies
+    its pairs; row r of the result goes to row out_rows[r] of out, the caller's order."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     label_i, id_i = _load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
+    slope = beta * LOG2E
     if A_ANCHORS:
         minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
+        ln2_i = (ln_i + beta * base) * LOG2E
         row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
     else:  # a reference set's rows: one lift for all (_scales_kernel)
         row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(row_scale_ptr)
+    if LABEL_ORDER:
+        range_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
+        range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
+        # identities shared across labels (a flag, CHECK_IDS) leave no tile label-free: each compares them
+        distinct_ids = tl.load(shared_ids_ptr) == 0 if CHECK_IDS else True
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     begin, end = _column_range(num_b, cols_per_split, 2)
     for start in range(begin, end, BLOCK_N):
@@ -461,18 +491,37 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
         if B_ANCHORS and EARLY_COLUMN_TERMS:  # loaded before S: their latency hides behind its products
             minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
                 stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
-        s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
-                                           col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if A_ANCHORS:
-            h += _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None],
-                                 ln_i[:, None], scale_i[:, None], alpha, beta, base, epsilon, MINING)
-        if B_ANCHORS:  # classes are symmetric; the column anchors' own stats decide their sets
-            if not EARLY_COLUMN_TERMS:
-                minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
-                    stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
-            h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
-                                 ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
+        label_free = False
+        if LABEL_ORDER:  # a tile beside the block's positive range: all its pairs are negatives
+            s = _similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                 PRECISION)
+            label_free = ((start + BLOCK_N <= range_begin) | (start >= range_end)) & distinct_ids
+        else:  # (the classes' keys loaded before S, as the measured kernel did: sm_80 spills otherwise)
+            s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i,
+                                               cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        if B_ANCHORS and not EARLY_COLUMN_TERMS:
+            minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
+                stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
+        if label_free:  # (a constant False without LABEL_ORDER: the compiler drops the branch)
+            if start + BLOCK_N > end:
+                s = tl.where(col_ok[None, :], s, -INF)
+            h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if A_ANCHORS:
+                h += _negative_weights(s, minpos_i[:, None], ln2_i[:, None], scale_i[:, None], slope, epsilon, MINING)
+            if B_ANCHORS:
+                h += _negative_weights(s, minpos_j[None, :], ((ln_j + beta * base) * LOG2E)[None, :],
+                                       scale_j[None, :], slope, epsilon, MINING)
+        else:
+            if LABEL_ORDER:
+                label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
+                positive, negative = _pair_classes(label_i, id_i, label_j, id_j, col_ok)
+            h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if A_ANCHORS:
+                h += _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None],
+                                     ln_i[:, None], scale_i[:, None], alpha, beta, base, epsilon, MINING)
+            if B_ANCHORS:  # classes are symmetric; the column anchors' own stats decide their sets
+                h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
+                                     ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
         b = tl.load(b_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
         if UPCAST:
@@ -480,41 +529,44 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
         acc = tl.dot((h * row_scale[:, None]).to(b.dtype), b, acc, input_precision=PRECISION)
     acc = acc * (tl.load(norm_ptr) / row_scale)[:, None]
     out_ptr += tl.program_id(2).to(tl.int64) * num_a * dim
+    if LABEL_ORDER:
+        rows = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * dim + ds[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ds[None, :] < dim))
 
 
 @triton.jit
-def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
-                    row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin, row_end, col_begin, col_end,
-                    num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                    B_ANCHORS: tl.constexpr, ONE_LIFT: tl.constexpr, COPY: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
-    anchors, and so are b's when B_ANCHORS), lifted, written in the input dtype to
-    w[rows - row_begin, cols - col_begin] for cuBLAS products (`Product`), the columns up to the
-    buffer's padded row length w_stride (zeros past col_end: whole 16-byte stores). The lift: each
-    row's (row_scale[rows]), or with ONE_LIFT one for all (row_scale[0]; the self case's triangle,
-    where a weight enters a product from either side: `_chunked_plan`). COPY (a reference set that
-    takes a gradient): H times the reference rows' one lift (copy_scale) too, to copy_ptr at the
-    same place, for dref. Grid: (column blocks, row blocks), the longer axis first (CUDA allows
-    65535 on the second)."""
-    rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < col_end
-    label_i, id_i = _load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
-    s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
-                                       col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr, row_scale_ptr,
+                  w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok, row_begin, cols, col_ok,
+                  col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr,
+                  SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, ONE_LIFT: tl.constexpr, COPY: tl.constexpr,
+                  LABEL_FREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """_weights_kernel's work on one tile: H of the rows against the columns, lifted, stored."""
+    if LABEL_FREE:
+        s = _similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                             PRECISION)
+    else:
+        label_i, id_i = _load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
+        s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
+                                           col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
     minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
         stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
-    h = _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None], ln_i[:, None],
-                        scale_i[:, None], alpha, beta, base, epsilon, MINING)
     if B_ANCHORS:
         minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
-        h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
-                             ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
+    if LABEL_FREE:
+        slope = beta * LOG2E
+        h = _negative_weights(s, minpos_i[:, None], ((ln_i + beta * base) * LOG2E)[:, None], scale_i[:, None],
+                              slope, epsilon, MINING)
+        h += _negative_weights(s, minpos_j[None, :], ((ln_j + beta * base) * LOG2E)[None, :], scale_j[None, :],
+                               slope, epsilon, MINING)
+    else:
+        h = _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None],
+                            ln_i[:, None], scale_i[:, None], alpha, beta, base, epsilon, MINING)
+        if B_ANCHORS:
+            h += _scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
+                                 ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
     offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
     ok = row_ok[:, None] & (cols - col_begin < w_stride)[None, :]
     # each row's lift, or with ONE_LIFT one for all: a vector load either way (as a scalar it took 152
@@ -523,6 +575,54 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
     tl.store(w_ptr + offsets, (h * lift[:, None]).to(w_ptr.dtype.element_ty), mask=ok)
     if COPY:
         tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
+                    row_scale_ptr, range_ptr, shared_ids_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin,
+                    row_end, col_begin, col_end, num_anchors, dim, alpha, beta, base, epsilon,
+                    MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr,
+                    ONE_LIFT: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
+                    RANGE_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
+    anchors, and so are b's when B_ANCHORS), lifted, written in the input dtype to
+    w[rows - row_begin, cols - col_begin] for cuBLAS products (`Product`), the columns up to the
+    buffer's padded row length w_stride. The lift: each row's (row_scale[rows]), or with ONE_LIFT one
+    for all (row_scale[0]; the self case's triangle, where a weight enters a product from either side:
+    `_chunked_plan`). COPY (a reference set that takes a gradient): H times the reference rows' one
+    lift (copy_scale) too, to copy_ptr at the same place, for dref. Grid: (column blocks, row blocks),
+    the longer axis first (CUDA allows 65535 on the second).
+    LABEL_ORDER (self case, in label order): every pair is taken as a negative, with no labels (128
+    registers and 1112 SASS instructions where classifying pairs took 128 and 1856: 128 x 64, sm_90,
+    Triton 3.6); the columns of each row block's positive range, which hold its positives, are
+    rewritten afterwards by a RANGE_TILES launch of smaller tiles, whose program (t, k) walks tiles
+    t, t + RANGE_PROGRAMS, ... of row block k's range (range_ptr, for its BLOCK_M; row blocks counted
+    from row 0, row_begin a whole number of them) within the chunk's columns and writes their weights
+    classified. So the padding past col_end holds weights of zero-padded columns: cuBLAS never reads it."""
+    rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    if RANGE_TILES:  # (whole tiles of exact weights: the columns past the range's end are rewritten unchanged)
+        block = row_begin // BLOCK_M + tl.program_id(1)
+        range_begin = tl.maximum(tl.load(range_ptr + 2 * block).to(tl.int32), col_begin)
+        range_end = tl.minimum(tl.load(range_ptr + 2 * block + 1).to(tl.int32), col_end)
+        if CHECK_IDS:  # identities shared across labels: every tile is rewritten, comparing them
+            if tl.load(shared_ids_ptr) != 0:
+                range_begin, range_end = col_begin, col_end
+        for start in range(range_begin + tl.program_id(0) * BLOCK_N, range_end, tl.num_programs(0) * BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
+                          row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
+                          row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
+                          MINING, SKIP_INCOMPLETE, B_ANCHORS, ONE_LIFT, COPY, False, BLOCK_M, BLOCK_N,
+                          BLOCK_K, UPCAST, PRECISION)
+    else:
+        cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
+                      row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
+                      row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
+                      MINING, SKIP_INCOMPLETE, B_ANCHORS, ONE_LIFT, COPY, LABEL_ORDER, BLOCK_M, BLOCK_N,
+                      BLOCK_K, UPCAST, PRECISION)
 
 
 # ---- launch plans -----------------------------------------------------------------------------
@@ -549,6 +649,17 @@ class Unlift(NamedTuple):
 
     def __call__(self):
         torch.div(self.norm, self.lift[:, None], out=self.out)
+
+
+class Reorder(NamedTuple):
+    """The chunked backward's last step in the self case, which runs in label order: out[order[r]] =
+    grad[r], the gradient's rows in the caller's order."""
+    out: torch.Tensor
+    grad: torch.Tensor
+    order: torch.Tensor
+
+    def __call__(self):
+        self.out.index_copy_(0, self.order, self.grad)
 
 
 class Product(NamedTuple):
@@ -632,6 +743,10 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     5.44 for 256 columns (which computes S twice at D = 512); 2 stages for D <= 256, where 3 spill
     on sm_80. On sm_90 (capability >= 9.0) the column anchors' statistics are loaded before S
     (EARLY_COLUMN_TERMS: 3.85 ms against 4.50 in one run), which spills on sm_80.
+    LABEL_ORDER: the fused backward runs the self case in label order and takes the tiles beside the
+    positive range without labels (`_grad_kernel`), where that compiles without spills: 16-bit tiles
+    on sm_90 (on sm_80, and in float32 tiles, the two paths spill up to 13 KB under Triton 3.9); and
+    under the interpreter, so that the tests run it.
     Faster entries that spill registers were left out (64 x 64 backward tiles: 4.00 ms against 4.35,
     308 bytes of spills on sm_90; float32: 45 ms forward, 193 ms backward against 82 and 377).
     float32 runs IEEE FMA products on small single-stage
@@ -647,6 +762,9 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     16-bit: with the anchor statistics of both ends, 128 x 128 spills on sm_90 (84 bytes with Triton
     3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 127 registers with 3.6
     (two 8-warp programs a multiprocessor; 130 with K steps of 64 and 3 stages) and 194 with 3.9.
+    Its RANGE_TILES: the tiles of the launch that rewrites the self case's positive ranges with
+    classified weights (`_weights_kernel`): 64 x 64, 8 warps, one stage, no spills on sm_80 or sm_90
+    for any dtype (at 128 rows, or with more stages, they spill under Triton 3.9).
     Its TRIANGLE_ROWS: the self case computes half of S (`_chunked_plan`) when its chunks are at
     least this tall. A chunk of c rows moves all later rows of dx (float32, 16 bytes a value: the
     product, then the sum) for 2 c flops a value: c / 8 flops a byte, 128 at c = 1024, where an
@@ -662,6 +780,10 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
         config["TRIANGLE_ROWS"] = config["BLOCK_M"] if interpret else 1024
+        config["RANGE_TILES"] = (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=config["BLOCK_K"], num_warps=4, num_stages=1)
+                                 if interpret else
+                                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_warps=8,
+                                      num_stages=1))
         return config
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
@@ -682,6 +804,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
+        config["LABEL_ORDER"] = interpret or config["EARLY_COLUMN_TERMS"]
         config["CHUNK_BYTES"] = chunk_budget()
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
@@ -774,6 +897,8 @@ def _capability(device):
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
+RANGE_PROGRAMS = 4  # the chunked backward's programs per row block for its positive range: the tiles of
+# a P x M batch's range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
 
 
@@ -802,14 +927,13 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
     column order that holds that label's columns; slot q of anchor a's segment
     (segment_end[a - 1] <= q < segment_end[a]) is column column_order[q + column_shift[a]] (a memory
     bank of random classes costs no more than the self case)."""
-    row_sorted, row_order = torch.sort(row_keys, stable=True)
-    starts = torch.arange(0, row_keys.shape[0], block_m, device=row_keys.device)
-    lasts = torch.clamp(starts + (block_m - 1), max=max(row_keys.shape[0] - 1, 0))
-    row_order = row_order.to(torch.int32)
     if self_case:
-        ranges = torch.stack([torch.searchsorted(row_sorted, row_sorted[starts]),
-                              torch.searchsorted(row_sorted, row_sorted[lasts], right=True)], 1)
+        _, row_order, ranges = _label_order(row_keys, block_m)
+        row_order = row_order.to(torch.int32)
         return row_order, row_order, None, None, ranges
+    row_sorted, row_order = torch.sort(row_keys, stable=True)
+    starts, lasts = _block_ends(row_keys.shape[0], block_m, row_keys.device)
+    row_order = row_order.to(torch.int32)
     col_sorted, col_order = torch.sort(col_keys, stable=True)
     lo = torch.searchsorted(col_sorted, row_sorted)
     hi = torch.searchsorted(col_sorted, row_sorted, right=True)
@@ -821,6 +945,23 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
     column_shift = lo - (segment_end - lengths)
     ranges = torch.stack([segment_end[starts] - lengths[starts], segment_end[lasts]], 1)
     return row_order, col_order.to(torch.int32), segment_end, column_shift, ranges
+
+
+def _block_ends(rows, block_m, device):
+    """The first and the last row of each block of block_m rows."""
+    starts = torch.arange(0, rows, block_m, device=device)
+    return starts, torch.clamp(starts + (block_m - 1), max=max(rows - 1, 0))
+
+
+def _label_order(keys, block_m):
+    """(the keys sorted, the order that sorts them (stable), ranges [blocks, 2]): the self case in label
+    order, where block k of block_m rows has the columns of its labels, its positives among them, in
+    slots ranges[k, 0] .. ranges[k, 1] of the same order, and every other column is a negative of all
+    of its rows."""
+    keys, order = torch.sort(keys, stable=True)
+    starts, lasts = _block_ends(keys.shape[0], block_m, keys.device)
+    return keys, order, torch.stack([torch.searchsorted(keys, keys[starts]),
+                                     torch.searchsorted(keys, keys[lasts], right=True)], 1)
 
 
 def _shared_identities(ids, labels):
@@ -910,11 +1051,24 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if a.dtype == torch.float16 and torch.backends.cuda.matmul.allow_fp16_accumulation:
         chunk_bytes = 0  # (cuBLAS refuses float32 results of float16 products then: the fused form instead)
     copy, triangle = ref is not None and ref_grad, False
+    label_ordered = ref is None and (bool(chunk_bytes) or config["LABEL_ORDER"])
     if chunk_bytes:
         tiles = tile_config("weights", a.dtype, dim, interpret, capability)
-        triangle_rows = tiles.pop("TRIANGLE_ROWS")
+        triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
         rectangles, triangle = _chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
                                                  a.element_size() * (1 + copy), chunk_bytes, triangle_rows)
+    order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
+    if label_ordered:
+        # the self case runs in label order: a tile beside its row block's positive range holds negatives
+        # only and takes its weights without labels (LABEL_ORDER); the gradient's rows go back at the end
+        block_m = range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"]
+        a_labels, order, label_order["range_ptr"] = _label_order(a_labels, block_m)
+        a, a_ids, stats = a.index_select(0, order), a_ids.index_select(0, order), stats.index_select(1, order)
+        b, b_labels, b_ids = a, a_labels, a_ids
+        grad_loss = grad_loss.index_select(0, order) if grad_loss.stride(0) else grad_loss  # ("mean": expanded)
+        if ids is not None:
+            label_order["shared_ids_ptr"] = _shared_identities(a_ids, a_labels)
+    label_order_flags = dict(LABEL_ORDER=label_ordered, CHECK_IDS=label_ordered and ids is not None)
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
     one_lift = copy or triangle  # rows of many anchors' weights (dref; the triangle of _chunked_plan)
@@ -932,13 +1086,18 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                   epsilon=epsilon)
     if chunk_bytes:
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
-                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift)
+                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift, **label_order)
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
-                     ONE_LIFT=triangle, COPY=copy)
-        return _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, anchor_scale, column_lift, scales)
+                     ONE_LIFT=triangle, COPY=copy, **label_order_flags)
+        grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
+                                                anchor_scale, column_lift, scales)
+        if order is not None:
+            steps.append(Reorder(torch.empty_like(grad_x), grad_x, order))
+            grad_x = steps[-1].out
+        return grad_x, grad_ref, steps
     grid_d = _cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or _multiprocessors(x.device, interpret)
-    config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors)
+    config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, **label_order_flags)
 
     def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
         row_programs = _cdiv(rows.shape[0], config["BLOCK_M"])
@@ -948,7 +1107,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
                     b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, norm_ptr=norm,
                     row_scale_ptr=anchor_scale if a_anchors else column_lift,  # (a reference set's rows: one lift)
-                    num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split, **shared)
+                    num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split,
+                    out_rows_ptr=norm if order is None else order, **label_order, **shared)
         return out, Launch(_grad_kernel, (row_programs, grid_d, splits), args,
                            dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors), warps, stages)
 
@@ -975,7 +1135,7 @@ def _chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, tria
     return [(rows, (0, num_b)) for rows in _chunks(num_x, tiles["BLOCK_M"], num_b, element_size, budget)], False
 
 
-def _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, lift, column_lift, scales):
+def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales):
     """backward_plan's result for the chunked backward: _weights_kernel writes the lifted pair weights
     of a chunk (`_chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
     buffers within the budget and reused by every chunk.
@@ -1008,10 +1168,13 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, norm, lift, column_l
         rows, cols = row_end - row_begin, col_end - col_begin
         w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
         grid = (_cdiv(cols, tiles["BLOCK_N"]), _cdiv(rows, tiles["BLOCK_M"]))
-        steps.append(Launch(_weights_kernel, grid,
-                            dict(weights_args, row_scale_ptr=row_lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
-                                 row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end),
-                            tiles, warps, stages))
+        args = dict(weights_args, row_scale_ptr=row_lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
+                    row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
+        steps.append(Launch(_weights_kernel, grid, args, dict(tiles, RANGE_TILES=False), warps, stages))
+        if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
+            range_config, range_warps, range_stages = _split(range_tiles)
+            steps.append(Launch(_weights_kernel, (RANGE_PROGRAMS, _cdiv(rows, range_config["BLOCK_M"])), args,
+                                dict(tiles, **range_config, RANGE_TILES=True), range_warps, range_stages))
         if triangle:
             steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift,
                                  accumulate=chunk > 0))
@@ -1043,12 +1206,18 @@ def plan_cost(launches, num_x, num_ref, dim):
         grid = launch.grid + (1,) * (3 - len(launch.grid))
         if "A_ANCHORS" in c:
             name += "[dx]" if c["A_ANCHORS"] else "[dref]"
+        name += "[range]" if c.get("RANGE_TILES") else ""
         programs[name] = min(programs.get(name, grid[0] * grid[1] * grid[2]), grid[0] * grid[1] * grid[2])
         s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * _cdiv(args["dim"], c["BLOCK_K"])
         per_tile = s_tile + (2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"] if "BLOCK_D" in c else 0)
         if "col_order_ptr" in args:  # the positive ranges: their tiles, row block by row block
             lengths = (args["range_ptr"][:, 1] - args["range_ptr"][:, 0]).tolist()
             flops += per_tile * sum(_cdiv(n, c["BLOCK_N"]) for n in lengths)
+            continue
+        if c.get("RANGE_TILES"):  # the chunk's row blocks' positive ranges, within its columns
+            blocks = args["range_ptr"][args["row_begin"] // c["BLOCK_M"]:][:grid[1]]
+            lengths = (blocks[:, 1].clamp(max=args["col_end"]) - blocks[:, 0].clamp(min=args["col_begin"])).tolist()
+            flops += s_tile * sum(_cdiv(max(n, 0), c["BLOCK_N"]) for n in lengths)
             continue
         if "w_ptr" in args:  # _weights_kernel: one tile a program
             flops += s_tile * grid[0] * grid[1]
