@@ -309,12 +309,17 @@ def test_saves_the_cpu_kernels_statistics(target, case):
 
 @pytest.mark.skipif(**TRITON_MISSING)
 @pytest.mark.parametrize("beta", [0.0, -1.0, float("nan"), 1e-45])  # (1e-45: 0 in float32)
-def test_the_triton_op_refuses_a_beta_that_is_not_positive(beta):
-    # (the public API refuses it before; a direct call of the op would sum exp(beta * -inf) = NaN)
+def test_the_triton_ops_refuse_a_beta_that_is_not_positive(beta):
+    # (the public API refuses it before; a direct call of the ops would sum exp(beta * -inf) = NaN)
     x, labels = make_batch(8, 4, 3, dtype=torch.float32)
+    x, labels = x.to(DEVICE), labels.to(DEVICE)
     with pytest.raises(ValueError, match="beta must be > 0"):
-        torch.ops.ms_loss_cuda.triton_forward(x.to(DEVICE), labels.to(DEVICE), None, None, None, None, 2.0, beta, 0.5,
-                                              0.1, True, False)
+        torch.ops.ms_loss_cuda.triton_forward(x, labels, None, None, None, None, 2.0, beta, 0.5, 0.1, True, False)
+    _, stats = torch.ops.ms_loss_cuda.triton_forward(x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True,
+                                                     False)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        torch.ops.ms_loss_cuda.triton_backward(torch.ones(8, device=DEVICE), stats, x, labels, None, None, None, None,
+                                               2.0, beta, 0.5, 0.1, True, False)
 
 
 def test_float64_is_refused_with_a_clear_error(target):

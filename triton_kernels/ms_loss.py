@@ -559,8 +559,9 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
         slope = beta * LOG2E
         h = _negative_weights(s, minpos_i[:, None], ((ln_i + beta * base) * LOG2E)[:, None], scale_i[:, None],
                               slope, epsilon, MINING)
-        h += _negative_weights(s, minpos_j[None, :], ((ln_j + beta * base) * LOG2E)[None, :], scale_j[None, :],
-                               slope, epsilon, MINING)
+        if B_ANCHORS:  # (always: the self case)
+            h += _negative_weights(s, minpos_j[None, :], ((ln_j + beta * base) * LOG2E)[None, :],
+                                   scale_j[None, :], slope, epsilon, MINING)
     else:
         h = _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None],
                             ln_i[:, None], scale_i[:, None], alpha, beta, base, epsilon, MINING)
@@ -602,7 +603,7 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
     classified. So the padding past col_end holds weights of zero-padded columns: cuBLAS never reads it."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
-    if RANGE_TILES:  # (whole tiles of exact weights: the columns past the range's end are rewritten unchanged)
+    if RANGE_TILES:  # (whole tiles: the columns past the range's end get their weights again, classified)
         block = row_begin // BLOCK_M + tl.program_id(1)
         range_begin = tl.maximum(tl.load(range_ptr + 2 * block).to(tl.int32), col_begin)
         range_end = tl.minimum(tl.load(range_ptr + 2 * block + 1).to(tl.int32), col_end)
@@ -884,6 +885,13 @@ def _check_dtypes(*tensors):
                             "(use backend='cpu' or 'reference' for float64)")
 
 
+def _check_beta(beta):
+    """The negatives' sums and label-free weights rely on beta > 0 in float32 (S = -inf marks a pair
+    that does not count); the public API refuses beta <= 0 before, a direct call of the ops here."""
+    if not beta >= FLOAT32_TINY:
+        raise ValueError(f"beta must be > 0 (at least float32's smallest normal number, 1.2e-38), got {beta}")
+
+
 def _multiprocessors(device, interpret):
     """What the column splits are sized for: the GPU's multiprocessors; under the interpreter a few
     (so that the tests run split launches); for plans made on CPU tensors without it, an H100's 132."""
@@ -980,8 +988,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     positive range, one pass over all columns (per column split) for the negatives, and one launch
     that combines the splits and sums the positives (`positive_ranges`)."""
     _check_dtypes(x, ref)
-    if not beta >= FLOAT32_TINY:  # (the negatives' sums rely on beta > 0 in float32: _negatives_kernel)
-        raise ValueError(f"beta must be > 0 (at least float32's smallest normal number, 1.2e-38), got {beta}")
+    _check_beta(beta)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     loss = torch.empty(num_x, dtype=torch.float32, device=x.device)  # (_finish_kernel writes every row)
@@ -1036,6 +1043,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     A gradient whose launch splits its columns comes as float32 partials [splits, rows, D], to be
     summed over the first axis."""
     _check_dtypes(x, ref)
+    _check_beta(beta)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     if grad_loss.shape != (num_x,):
@@ -1166,11 +1174,14 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
+        # the range launch's row blocks must be the ranges' (the label-free tiles' weights in a range are wrong)
+        assert not tiles["LABEL_ORDER"] or row_begin % range_tiles["BLOCK_M"] == 0
         w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
         grid = (_cdiv(cols, tiles["BLOCK_N"]), _cdiv(rows, tiles["BLOCK_M"]))
         args = dict(weights_args, row_scale_ptr=row_lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
-        steps.append(Launch(_weights_kernel, grid, args, dict(tiles, RANGE_TILES=False), warps, stages))
+        steps.append(Launch(_weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
+                            stages))  # (identities: the range launch's)
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = _split(range_tiles)
             steps.append(Launch(_weights_kernel, (RANGE_PROGRAMS, _cdiv(rows, range_config["BLOCK_M"])), args,
