@@ -53,8 +53,8 @@ them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats 
 kernels), the strided grad_output of `_scales_kernel`, the eager path that skips the custom
 ops' dispatch (ms_loss_cuda/ops.py), the self case's negatives pass over label-ordered columns
 (SKIP_RANGE), its backward in label order (LABEL_ORDER, RANGE_TILES); and the chunked backward,
-which is not the default until a GPU run has timed it (bench/tune_triton.py and the benchmark's triton-chunked providers do; its
-torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
+which is not the default until a GPU run has timed it (bench/tune_triton.py and the benchmark's
+triton-chunked providers do; its torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
 TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
 its own), and the PTX/ptxas facts of every shipped configuration and of the chunked backward's
 kernel compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
