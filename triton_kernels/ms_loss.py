@@ -154,12 +154,18 @@ def _scaled_weights(s, positive, negative, minpos, maxneg, lp, ln, scale, alpha,
 
 
 @triton.jit
-def _negative_weights(s, minpos, ln2, scale, slope, epsilon, MINING: tl.constexpr):
+def _negative_offset(ln, beta, base):
+    """An anchor's (LN + beta base) log2(e), for `_negative_weights`."""
+    return (ln + beta * base) * LOG2E
+
+
+@triton.jit
+def _negative_weights(s, minpos, offset, scale, beta, epsilon, MINING: tl.constexpr):
     """scale x dL/dS of pairs that are all negatives of their anchors (a label-free tile; S = -inf where a
-    pair does not count): in base 2, one FMA and one exp2 a pair (slope = beta log2(e), ln2 = (LN + beta
-    base) log2(e) of the anchor), where the negative is mined. Exponents are <= 0 there, as LN >= beta
-    (maxneg - base) (`_shifts`)."""
-    w = scale * tl.exp2(s * slope - ln2)
+    pair does not count; the anchors' terms as [M, 1] columns or [1, N] rows): exp(beta (S - base) - LN)
+    in base 2, one FMA and one exp2 a pair (offset: `_negative_offset`), where the negative is mined.
+    Exponents are <= 0 there, as LN >= beta (maxneg - base) (`_shifts`)."""
+    w = scale * tl.exp2(s * (beta * LOG2E) - offset)
     if MINING:
         w = tl.where(s + epsilon > minpos, w, 0.0)
     return w
@@ -470,11 +476,10 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     label_i, id_i = _load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
-    slope = beta * LOG2E
     if A_ANCHORS:
         minpos_i, maxneg_i, lp_i, ln_i, scale_i = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
-        ln2_i = (ln_i + beta * base) * LOG2E
+        offset_i = _negative_offset(ln_i, beta, base)  # (once: in the loop it spilled 8 bytes)
         row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)
     else:  # a reference set's rows: one lift for all (_scales_kernel)
         row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(row_scale_ptr)
@@ -507,10 +512,11 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                 s = tl.where(col_ok[None, :], s, -INF)
             h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if A_ANCHORS:
-                h += _negative_weights(s, minpos_i[:, None], ln2_i[:, None], scale_i[:, None], slope, epsilon, MINING)
+                h += _negative_weights(s, minpos_i[:, None], offset_i[:, None], scale_i[:, None], beta, epsilon,
+                                       MINING)
             if B_ANCHORS:
-                h += _negative_weights(s, minpos_j[None, :], ((ln_j + beta * base) * LOG2E)[None, :],
-                                       scale_j[None, :], slope, epsilon, MINING)
+                h += _negative_weights(s, minpos_j[None, :], _negative_offset(ln_j, beta, base)[None, :],
+                                       scale_j[None, :], beta, epsilon, MINING)
         else:
             if LABEL_ORDER:
                 label_j, id_j = _load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
@@ -556,12 +562,11 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
         minpos_j, maxneg_j, lp_j, ln_j, scale_j = _anchor_terms(
             stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
     if LABEL_FREE:
-        slope = beta * LOG2E
-        h = _negative_weights(s, minpos_i[:, None], ((ln_i + beta * base) * LOG2E)[:, None], scale_i[:, None],
-                              slope, epsilon, MINING)
+        h = _negative_weights(s, minpos_i[:, None], _negative_offset(ln_i, beta, base)[:, None], scale_i[:, None],
+                              beta, epsilon, MINING)
         if B_ANCHORS:  # (always: the self case)
-            h += _negative_weights(s, minpos_j[None, :], ((ln_j + beta * base) * LOG2E)[None, :],
-                                   scale_j[None, :], slope, epsilon, MINING)
+            h += _negative_weights(s, minpos_j[None, :], _negative_offset(ln_j, beta, base)[None, :],
+                                   scale_j[None, :], beta, epsilon, MINING)
     else:
         h = _scaled_weights(s, positive, negative, minpos_i[:, None], maxneg_i[:, None], lp_i[:, None],
                             ln_i[:, None], scale_i[:, None], alpha, beta, base, epsilon, MINING)
