@@ -43,8 +43,11 @@ def launches(dtype_name, dim, mining, skip, cc):
     ref, ref_labels = torch.randn(REF_ROWS, dim, dtype=dtype), torch.randint(0, 100, (REF_ROWS,))
     hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
     found = {}
-    ids = torch.arange(ROWS) % 97  # (the self case with the caller's identities: the forward compares them)
-    for case, i, r, rl in (("self", None, None, None), ("self", ids, None, None), ("ref", None, ref, ref_labels)):
+    cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
+    if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
+        # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down
+        cases.append(("self", torch.arange(ROWS) % 97, None, None))
+    for case, i, r, rl in cases:
         capability = divmod(cc, 10)
         _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
         *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,

@@ -471,7 +471,9 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     the row block's positive range (range_ptr) holds negatives only, and takes its weights without
     labels (`_negative_weights`), unless identities the caller gave are shared by rows of different
     labels (CHECK_IDS: the flag at shared_ids_ptr, `_shared_identities`), where every tile classifies
-    its pairs; row r of the result goes to row out_rows[r] of out, the caller's order."""
+    its pairs; row r of the result goes to row out_rows[r] of out, the caller's order. Both paths
+    compile without spills for every dtype on sm_80 and sm_90 (Triton 3.6; 3.9 parks 8 bytes on sm_80
+    at a B that is not a multiple of 16, with identities) since the label-free tiles mask every tile."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -501,7 +503,7 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             s = _similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                  PRECISION)
             label_free = ((start + BLOCK_N <= range_begin) | (start >= range_end)) & distinct_ids
-        else:  # (the classes' keys loaded before S, as the measured kernel did: sm_80 spills otherwise)
+        else:  # (a reference set: the classes' keys loaded before S, as the measured kernel did)
             s, positive, negative = _pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i,
                                                cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if B_ANCHORS and not EARLY_COLUMN_TERMS:
@@ -750,10 +752,6 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     5.44 for 256 columns (which computes S twice at D = 512); 2 stages for D <= 256, where 3 spill
     on sm_80. On sm_90 (capability >= 9.0) the column anchors' statistics are loaded before S
     (EARLY_COLUMN_TERMS: 3.85 ms against 4.50 in one run), which spills on sm_80.
-    LABEL_ORDER: the fused backward runs the self case in label order and takes the tiles beside the
-    positive range without labels (`_grad_kernel`), where that compiles without spills: 16-bit tiles
-    on sm_90 (on sm_80, and in float32 tiles, the two paths spill up to 13 KB under Triton 3.9); and
-    under the interpreter, so that the tests run it.
     Faster entries that spill registers were left out (64 x 64 backward tiles: 4.00 ms against 4.35,
     308 bytes of spills on sm_90; float32: 45 ms forward, 193 ms backward against 82 and 377).
     float32 runs IEEE FMA products on small single-stage
@@ -811,7 +809,6 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
-        config["LABEL_ORDER"] = interpret or config["EARLY_COLUMN_TERMS"]
         config["CHUNK_BYTES"] = chunk_budget()
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
@@ -1065,14 +1062,13 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if a.dtype == torch.float16 and torch.backends.cuda.matmul.allow_fp16_accumulation:
         chunk_bytes = 0  # (cuBLAS refuses float32 results of float16 products then: the fused form instead)
     copy, triangle = ref is not None and ref_grad, False
-    label_ordered = ref is None and (bool(chunk_bytes) or config["LABEL_ORDER"])
     if chunk_bytes:
         tiles = tile_config("weights", a.dtype, dim, interpret, capability)
         triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
         rectangles, triangle = _chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
                                                  a.element_size() * (1 + copy), chunk_bytes, triangle_rows)
     order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
-    if label_ordered:
+    if ref is None:
         # the self case runs in label order: a tile beside its row block's positive range holds negatives
         # only and takes its weights without labels (LABEL_ORDER); the gradient's rows go back at the end
         block_m = range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"]
@@ -1082,7 +1078,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         grad_loss = grad_loss.index_select(0, order) if grad_loss.stride(0) else grad_loss  # ("mean": expanded)
         if ids is not None:
             label_order["shared_ids_ptr"] = _shared_identities(a_ids, a_labels)
-    label_order_flags = dict(LABEL_ORDER=label_ordered, CHECK_IDS=label_ordered and ids is not None)
+    label_order_flags = dict(LABEL_ORDER=ref is None, CHECK_IDS=ref is None and ids is not None)
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
     one_lift = copy or triangle  # rows of many anchors' weights (dref; the triangle of _chunked_plan)
