@@ -240,6 +240,38 @@ def test_options(target, case, skip):
           alpha=3.0, beta=20.0, base=0.4, epsilon=0.05)
 
 
+@pytest.mark.parametrize("mining", [True, False])
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("case", ["self", "ref"])
+def test_anchors_without_negatives_or_positives(target, case, skip, mining):
+    """Anchors with positives only (a one-class batch; in a reference set, the label of every column)
+    and with negatives only (a label no column has): each end's terms alone, or with
+    skip_incomplete_anchors nothing, also without mining, where having any pair of a set is what
+    counts."""
+    kwargs = build_case(case, 45, 8, torch.float32, seed=12)
+    if case == "self":
+        kwargs["labels"] = torch.zeros_like(kwargs["labels"])
+    else:
+        kwargs["labels"] = kwargs["labels"] % 2
+        kwargs["ref_labels"] = torch.zeros_like(kwargs["ref_labels"])
+    check(target, kwargs, torch.float32, "none", skip_incomplete_anchors=skip, mining=mining)
+
+
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_negatives_far_below_base_under_a_steep_beta(target, case):
+    """Classes on orthogonal directions (negatives at S ~ 0), base = 0.5, beta = 300, no mining: every
+    negative's exponent beta (S - base) is about -150, below float32's range once exponentiated. The
+    log-sum-exp must keep its shift at 0 there (log(1 + sum), the 1 being exp(-shift)), not at the
+    largest exponent, which would make exp(-shift) overflow."""
+    kwargs = build_case(case, 61, 16, torch.float32, seed=21)
+    for key, label_key in (("embeddings", "labels"), ("ref_embeddings", "ref_labels")):
+        if key in kwargs:  # tight clusters around the class's unit vector (at most 10 classes here)
+            kwargs[key] = torch.eye(16)[kwargs[label_key]] + 0.05 * torch.randn(kwargs[key].shape,
+                                                                          generator=torch.Generator().manual_seed(3))
+    check_against_reference(target.backend, kwargs, torch.float32, "none", device=target.device, rtol=1e-4,
+                            mining=False, beta=300.0, base=0.5)
+
+
 @pytest.mark.parametrize("ref_grad", [True, False])
 def test_empty_reference_set_gives_zero(target, ref_grad):
     x, labels = make_batch(5, 3, 2, dtype=torch.float32)
