@@ -339,6 +339,27 @@ def test_saves_the_cpu_kernels_statistics(target, case):
     torch.testing.assert_close(stats.cpu(), cpu_stats[:4], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
+                    reason="runs the GPU's tiles under the interpreter (on a GPU every test does)")
+@pytest.mark.parametrize("chunk_mib", ["0", "0.05"])  # the fused backward, and the chunked one in several chunks
+@pytest.mark.parametrize("dtype,capability", [(torch.float16, (9, 0)), (torch.float16, (8, 0)),
+                                              (torch.float32, (9, 0))])  # (the interpreter's bfloat16 is wrong)
+@pytest.mark.parametrize("case", ["self_ids", "ref_ids"])
+def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capability, chunk_mib):
+    """The interpreter's own tiles are small (tile_config); here the kernels run on the tiles a GPU of
+    that capability gets, at B = 300 (row blocks of 128 in the forward, whose reference-set positive
+    lists take seven halvings to search; the range launch's 64 rows under the weights' 128)."""
+    shipped = triton_kernels.ms_loss.tile_config
+    monkeypatch.setattr(triton_kernels.ms_loss, "tile_config",
+                        lambda kind, tile_dtype, dim, *_: shipped(kind, tile_dtype, dim, False, capability))
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+    kwargs = build_case(case, 300, 64, torch.float64, seed=14)
+    for key in ("embeddings", "ref_embeddings"):  # unit rows, exactly representable in `dtype`
+        if key in kwargs:
+            kwargs[key] = F.normalize(kwargs[key], dim=1).to(dtype)
+    check_against_reference("triton", kwargs, dtype, "none", device=DEVICE, rtol=TOLERANCE[dtype], normalize=False)
+
+
 @pytest.mark.skipif(**TRITON_MISSING)
 @pytest.mark.parametrize("beta", [0.0, -1.0, float("nan"), 1e-45])  # (1e-45: 0 in float32)
 def test_the_triton_ops_refuse_a_beta_that_is_not_positive(beta):
