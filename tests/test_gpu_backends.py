@@ -272,6 +272,17 @@ def test_negatives_far_below_base_under_a_steep_beta(target, case):
                             mining=False, beta=300.0, base=0.5)
 
 
+@pytest.mark.parametrize("rows", [[8.0, -8.0, -10.0, -10.5], [10.0, 1.0, 0.5, 0.45]])
+def test_empty_mined_sets_with_similarities_far_from_base(target, rows):
+    """Rows left unnormalised, so S lies far from base: anchor 0 has a positive and two negatives but
+    neither set survives mining. A log-sum-exp shift taken from a set with no members (alpha (base -
+    minpos) = 129 in the first batch, beta (maxneg - base) = 225 in the second) makes exp(-shift)
+    underflow and its LP or LN -inf; the shift of an empty mined set must be 0."""
+    x = torch.tensor(rows).unsqueeze(1) * torch.tensor([[1.0, 0.0]])
+    kwargs = dict(embeddings=x, labels=torch.tensor([0, 0, 1, 1]))
+    check(target, kwargs, torch.float32, "none", normalize=False)
+
+
 @pytest.mark.parametrize("ref_grad", [True, False])
 def test_empty_reference_set_gives_zero(target, ref_grad):
     x, labels = make_batch(5, 3, 2, dtype=torch.float32)
