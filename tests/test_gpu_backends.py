@@ -552,6 +552,29 @@ def test_float16_weights_keep_their_precision_row_by_row(target, case):
     assert error.max() < 4e-3, f"worst row {error.argmax().item()}: {error.max().item():.2e} of its own scale"
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("chunk_mib", ["0", "1e-6"])  # the fused backward; the chunked one, the self case's triangle
+def test_float16_weights_keep_their_precision_under_a_tiny_grad_output(monkeypatch, chunk_mib):
+    """grad_output 1e-6 for every anchor: the lifts must take each row's float16 weights (about 1/200)
+    back towards 1, whatever the grad_output's scale (in the triangle one lift for all rows, the
+    anchors' smallest). Compared before the gradient is rounded to float16 (where 1e-6 x S would be
+    subnormal): the backward plan's float32 dx against the float64 reference."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+    gen = torch.Generator().manual_seed(17)
+    x = F.normalize(torch.randn(200, 64, generator=gen, dtype=torch.float64), dim=1).half()
+    labels = torch.randint(0, 40, (200,), generator=gen)
+    hyper = (2.0, 10.0, 0.5, 0.1, False, False)  # (alpha, beta, base, epsilon, mining, skip_incomplete_anchors)
+    kernels, on_device = triton_kernels.ms_loss, (x.to(DEVICE), labels.to(DEVICE), None, None, None, None)
+    _, stats = kernels._run(kernels.forward_plan, on_device[0].device, *on_device, *hyper)
+    grad_output = torch.full((200,), 1e-6, dtype=torch.float32, device=DEVICE)
+    dx = kernels._run(kernels.backward_plan, grad_output.device, grad_output, stats, *on_device, *hyper)[0]
+    dx = dx.sum(0) if dx.dim() == 3 else dx  # (split partials)
+    want = loss_and_grads(dict(embeddings=x.double(), labels=labels), "reference",
+                          lambda loss: torch.full_like(loss, 1e-6), reduction="none", mining=False, normalize=False,
+                          beta=10.0)[1][0]
+    assert_close(dx[:, :64], want, 4e-3, min_scale=0.0)
+
+
 @pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
 def test_float32_products_follow_torchs_matmul_precision():
     """IEEE products under "highest" (torch's default), TF32 tensor cores under "high"/"medium"."""
