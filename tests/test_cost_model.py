@@ -152,13 +152,15 @@ def test_the_chunked_backward_of_a_reference_set_with_gradient_computes_s_once(m
 
 @pytest.mark.parametrize("total,block,other,budget", [(16384, 128, 16384, 64 * MIB), (16384, 128, 16384, 1),
                                                       (1000, 64, 3, 10 ** 9), (1048576, 128, 1024, 64 * MIB),
-                                                      (300, 128, 1000, 3 * 128 * 1000 * 2 - 1), (0, 64, 5, 1)])
+                                                      (300, 128, 1000, 3 * 128 * 1000 * 2 - 1), (0, 64, 5, 1),
+                                                      (300, 64, 300, 256 * 300 * 2)])
 def test_chunks_cover_everything_once_within_the_budget(total, block, other, budget):
     chunks = triton_kernels.ms_loss._chunks(total, block, other, 2, budget)
     assert [begin for begin, _ in chunks] == [end for _, end in [(0, 0)] + chunks[:-1]][:len(chunks)]
     assert (chunks[-1][1] if chunks else 0) == total
     sizes = [end - begin for begin, end in chunks]
     assert all(size % block == 0 for size in sizes[:-1]) and len(set(sizes[:-1])) <= 1
+    assert len(sizes) <= 1 or (sizes[0] - block) * len(sizes) < total  # balanced: no block to spare in each
     assert all(size * other * 2 <= max(budget, block * other * 2) for size in sizes)
     assert len(chunks) == (0 if total == 0 else -(-total // max(budget // (other * 2) // block * block, block)))
 
