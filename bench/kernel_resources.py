@@ -3,8 +3,10 @@ them, compiled ahead of time (no GPU needed: Triton's own ptxas and nvdisasm), w
 tiles or others. The numbers the README gives for Triton 3.6 (the GPU machines' version) come from
 this script run with 3.6 on the path; tests/triton_aot.py checks every launch for spills with the
 Triton the project pins.
-    python bench/kernel_resources.py [--cc 90] [--dtype float16] [--kernels _negatives _weights]
+    python bench/kernel_resources.py [--cc 90] [--dtype float16] [--rows 4096] [--kernels _negatives _weights]
                                      [--tiles 128,64,64,8,3 ...]
+--rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
+divisibility hint on the row and column ends, and can change registers and spills).
 The SASS count is the whole kernel, both sides of every branch."""
 import argparse
 import os
@@ -46,12 +48,15 @@ def main():
     parser.add_argument("--cc", type=int, default=90, choices=sorted(triton_aot.TARGETS))
     parser.add_argument("--dtype", default="float16", choices=triton_aot.DTYPES)
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=triton_aot.ROWS)
     parser.add_argument("--kernels", nargs="+", default=["_negatives", "_minpos", "_finish", "_weights", "_grad"],
                         help="name prefixes")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages, each besides the shipped tiles")
     args = parser.parse_args()
-    print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on")
+    triton_aot.ROWS = args.rows
+    print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on"
+          + ("" if args.rows == 4096 else f", B = {args.rows}"))
     for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
         if not name.startswith(tuple(args.kernels)):
             continue
