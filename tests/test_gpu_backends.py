@@ -1,5 +1,7 @@
-"""The GPU backends against the float64 reference: one suite, run for every target available.
+"""The fused backends against the float64 reference: one suite, run for every target available.
 
+- cpu: the fused CPU kernel (csrc/ms_loss_cpu.cpp), the GPU backends' edge cases included
+  (tests/test_cpu_kernel.py checks what only it has: float64, the pair weights it keeps);
 - triton: on CUDA tensors when a GPU is present, else under TRITON_INTERPRET=1 on CPU tensors
   (conftest sets it before the kernels are imported);
 - cuda: on CUDA tensors; needs a GPU and the CUDA kernels built (else skipped);
@@ -36,6 +38,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 class Target(NamedTuple):
+    name: str  # the fixture's parameter
     backend: str  # the name multi_similarity_loss takes
     device: str
     forward: object  # the fused ops
@@ -64,6 +67,7 @@ TRITON_MISSING = dict(condition=triton_kernels is None or (DEVICE == "cpu" and n
 
 
 @pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(ops.LOAD_ERROR is not None, reason="needs the built extension")),
     pytest.param("triton", marks=pytest.mark.skipif(**TRITON_MISSING)),
     pytest.param("triton_chunked", marks=pytest.mark.skipif(**TRITON_MISSING)),
     pytest.param("cuda", marks=pytest.mark.skipif(
@@ -79,13 +83,15 @@ def target(request, monkeypatch):
     if request.param == "triton_chunked":
         monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
     if request.param.startswith("triton"):
-        return Target("triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
+        return Target(request.param, "triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
                       torch.ops.ms_loss_cuda.triton_backward.default, request.param == "triton_chunked")
     if request.param == "cuda":
-        return Target("cuda", DEVICE, ops.forward_op, ops.backward_op)
+        return Target("cuda", "cuda", DEVICE, ops.forward_op, ops.backward_op)
+    if request.param == "cpu":
+        return Target("cpu", "cpu", "cpu", ops.forward_op, ops.backward_op)
     forward, backward, fused = request.getfixturevalue("emulated_cuda_ops")
     monkeypatch.setattr(ops, "fused_forward", fused)  # backend="cpu" now calls the emulated CUDA op
-    return Target("cpu", "cpu", forward, backward)
+    return Target("cuda_emulated", "cpu", "cpu", forward, backward)
 
 
 def check(target, kwargs, dtype, reduction="mean", rtol=None, **options):
@@ -133,7 +139,7 @@ def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtyp
 
     monkeypatch.setattr(kernels, "tile_config", no_triangle)
     monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
-    target = Target("triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
+    target = Target("triton_chunked", "triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
                     torch.ops.ms_loss_cuda.triton_backward.default, True)
     check(target, build_case("self", 200, 130, dtype), dtype, reduction, mining=mining)
     assert chosen and all(len(chunks) > 1 and not triangle for chunks, triangle in chosen)
@@ -331,6 +337,8 @@ def test_opcheck(target, case):
 
 @pytest.mark.parametrize("case", ["ref_ids", "separated"])
 def test_saves_the_cpu_kernels_statistics(target, case):
+    if target.name == "cpu":
+        pytest.skip("the CPU kernel's statistics are what the others are compared with")
     if case == "separated":  # 16 classes at the corners of a simplex (cosine -1/15): every hardest negative is
         # below 0, so a padded column's S = 0 taken for a negative would show in maxneg
         gen = torch.Generator().manual_seed(4)  # (B = 300: a last tile far from some blocks' positive ranges)
@@ -387,6 +395,8 @@ def test_the_triton_ops_refuse_a_beta_that_is_not_positive(beta):
 
 
 def test_float64_is_refused_with_a_clear_error(target):
+    if target.name == "cpu":
+        pytest.skip("the CPU kernel takes float64 (tests/test_cpu_kernel.py)")
     x, labels = make_batch(8, 4, 3)
     x, labels = x.to(target.device), labels.to(target.device)
     if target.backend != "cpu":  # (the emulation runs under the name of the cpu backend, which takes float64)
