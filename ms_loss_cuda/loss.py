@@ -281,8 +281,11 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device, embeddings.dtype)
     x, ref = embeddings, ref_embeddings
     if normalize:
-        x = unit_rows(x)
-        ref = None if ref is None else unit_rows(ref)
+        # eager triton calls normalise with its own kernels, one launch each way; traced calls with
+        # torch's ops, which the compiler fuses itself
+        normalized = _triton_kernels().unit_rows if backend == "triton" and not ops._traced() else unit_rows
+        x = normalized(x)
+        ref = None if ref is None else normalized(ref)
     if masks is not None:
         losses = reference.multi_similarity_loss(x, labels, ref, reduction="none", masks=masks, **options)
     else:

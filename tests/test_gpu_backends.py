@@ -666,15 +666,45 @@ class _TensorOps(TorchDispatchMode):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,most", [("self", 69), ("memory_bank", 77)])
-def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, most):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 130), (5, 1000), (3, 1), (0, 4)])
+def test_the_triton_normalisation_matches_torchs(dtype, shape):
+    """triton_kernels.unit_rows (the triton backend's eager normalisation; D = 1000 in two blocks of
+    columns) against torch's ops in float64, on a non-contiguous input: the rows and their gradient,
+    a zero row and one of norm 1e-14 in float32 (the clamp at 1e-12; in 16-bit the gradient there,
+    g / 1e-12, overflows as torch's does). With create_graph=True the same gradient, and a second
+    derivative raises (the kernel's backward has none) rather than leave its share out."""
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(shape[::-1], generator=gen, dtype=torch.float64).t()
+    if dtype == torch.float32 and shape[0] >= 3:
+        t[1], t[2] = 0.0, t[2] / t[2].norm() * 1e-14
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = t.to(DEVICE, dtype).requires_grad_()
+    y = triton_kernels.unit_rows(x)
+    (dx,) = torch.autograd.grad(y, x, g.to(DEVICE, dtype), retain_graph=True)
+    t64 = t.clone().requires_grad_()
+    (dx64,) = torch.autograd.grad(api.unit_rows(t64), t64, g)
+    assert y.dtype == dx.dtype == dtype and y.shape == dx.shape == shape
+    assert_close(y, api.unit_rows(t), TOLERANCE[dtype])
+    assert_close(dx, dx64, TOLERANCE[dtype])
+    (graphed,) = torch.autograd.grad(y, x, g.to(DEVICE, dtype), create_graph=True)
+    assert torch.equal(graphed, dx)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(graphed.square().sum(), x)
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 58), ("memory_bank", 3, 64)])
+def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizing, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
-    backward (normalised 16-bit rows, "mean") issues 5 kernel launches and at most `most` other ops,
-    as many as today's build (71 and 80 before the trim; the self case's 56th is the label-ordered copy
-    of the anchors that its negatives kernel reads, and the 13 after it put its backward in label
-    order: a sort, the ranges, four gathers; the kernels are stubbed out: this counts the host's work
-    only)."""
+    backward (normalised 16-bit rows, "mean") issues the loss's 5 kernel launches, `normalizing` of
+    the row kernels (the batch forward and backward, the bank forward) and at most `most` other ops,
+    as many as today's build (71 and 80 before the trim; then 1 more in the self case for the
+    label-ordered copy of the anchors that its negatives kernel reads and 13 to put its backward in
+    label order: a sort, the ranges, four gathers; 69 and 77 before the row kernels took the place of
+    torch's normalisation, 4 ops forward and 10 backward; the kernels are stubbed out: this counts the
+    host's work only)."""
     launched = []
     monkeypatch.setattr(triton_kernels.ms_loss.Launch, "__call__", lambda launch: launched.append(launch.kernel))
     x, labels = make_batch(97, 128, 12, dtype=torch.float16)
@@ -685,5 +715,5 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, most):
         bank = dict(ref_embeddings=ref.to(DEVICE), ref_labels=ref_labels.to(DEVICE))
     with _TensorOps() as tensor_ops:
         multi_similarity_loss(x, labels, backend="triton", **bank).backward()
-    assert len(launched) == 5
+    assert len(launched) == 5 + normalizing
     assert len(tensor_ops.names) <= most, " ".join(tensor_ops.names)

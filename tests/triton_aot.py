@@ -21,12 +21,13 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
-from ms_loss_cuda.triton_kernels.ms_loss import Launch
+from ms_loss_cuda.triton_kernels.ms_loss import Launch, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a"}
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
                  torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
+ROW_KERNEL_DIMS = (130, 512)  # the normalisation's row kernels: a masked and a whole block of columns
 ROWS, REF_ROWS = 4096, 1000
 
 
@@ -36,13 +37,17 @@ TF32_DIMS = (32, 130, 512)
 
 def launches(dtype_name, dim, mining, skip, cc):
     """The dispatcher's launches (GPU configurations of compute capability cc) for the self and the
-    reference-set case, with the fused and the chunked backward (its cuBLAS products left out)."""
+    reference-set case, with the fused and the chunked backward (its cuBLAS products left out), and
+    the normalisation's row kernels."""
     torch.set_float32_matmul_precision("high" if dtype_name.endswith("-tf32") else "highest")
     dtype = getattr(torch, dtype_name.split("-")[0])
     x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
     ref, ref_labels = torch.randn(REF_ROWS, dim, dtype=dtype), torch.randint(0, 100, (REF_ROWS,))
     hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
     found = {}
+    if dim in ROW_KERNEL_DIMS and not dtype_name.endswith("-tf32") and mining and not skip:
+        y, norm, normalize = unit_rows_plan(x)
+        found.update((launch.kernel.fn.__name__, launch) for launch in normalize + unit_rows_grad_plan(x, y, norm)[1])
     cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down

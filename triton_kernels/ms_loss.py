@@ -38,7 +38,8 @@ over all columns:
   GEMM-equivalents where the fused form takes 4. Self case: the weights kernel takes every pair as a
   negative, and a second, small launch per chunk (RANGE_TILES) rewrites the columns of each row
   block's positive range with classified weights: the branch would have cost both paths' registers.
-`plan_cost` counts the work of a plan's launches in GEMM-equivalents.
+`plan_cost` counts the work of a plan's launches in GEMM-equivalents. `unit_rows`: the loss's
+normalisation for eager triton calls, one launch each way (`_unit_rows_kernel`, `_unit_rows_grad_kernel`).
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
@@ -52,7 +53,8 @@ the sync-free positive lists (`positive_ranges`, `_positive_columns`; part of th
 them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats loader for two
 kernels), the strided grad_output of `_scales_kernel`, the eager path that skips the custom
 ops' dispatch (ms_loss_cuda/ops.py), the self case's negatives pass over label-ordered columns
-(SKIP_RANGE), its backward in label order (LABEL_ORDER, RANGE_TILES); and the chunked backward,
+(SKIP_RANGE), its backward in label order (LABEL_ORDER, RANGE_TILES), the normalisation's row
+kernels; and the chunked backward,
 which is not the default until a GPU run has timed it (bench/tune_triton.py and the benchmark's
 triton-chunked providers do; its torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
 TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
@@ -632,6 +634,50 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
                       row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                       MINING, SKIP_INCOMPLETE, B_ANCHORS, ONE_LIFT, COPY, LABEL_ORDER, BLOCK_M, BLOCK_N,
                       BLOCK_K, UPCAST, PRECISION)
+
+
+@triton.jit
+def _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D: tl.constexpr):
+    """Columns k .. k + BLOCK_D of `rows` of a contiguous [num_rows, dim] tensor, as float32 (0 outside)."""
+    ks = k + tl.arange(0, BLOCK_D)
+    at = rows[:, None].to(tl.int64) * dim + ks[None, :]
+    ok = (rows < num_rows)[:, None] & (ks < dim)[None, :]
+    return tl.load(t_ptr + at, mask=ok, other=0.0).to(tl.float32), at, ok
+
+
+@triton.jit
+def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): torch's F.normalize, in
+    one launch where it takes four (the norm, its clamp and cast, the division)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    squares = tl.zeros((BLOCK_R,), tl.float32)
+    for k in range(0, dim, BLOCK_D):
+        t, _, _ = _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D)
+        squares += tl.sum(t * t, axis=1)
+    norm = tl.maximum(tl.sqrt_rn(squares), 1e-12)
+    tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
+    for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
+        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D)
+        tl.store(y_ptr + at, tl.div_rn(t, norm[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _unit_rows_grad_kernel(g_ptr, y_ptr, norm_ptr, dt_ptr, num_rows, dim, BLOCK_R: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """dt = (g - y (g . y)) / |t| row by row (g / 1e-12 where the norm was clamped, as torch's): one
+    launch where autograd's chain through F.normalize takes six or more."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    along = tl.zeros((BLOCK_R,), tl.float32)
+    for k in range(0, dim, BLOCK_D):
+        g, _, _ = _row_block(g_ptr, rows, k, num_rows, dim, BLOCK_D)
+        y, _, _ = _row_block(y_ptr, rows, k, num_rows, dim, BLOCK_D)
+        along += tl.sum(g * y, axis=1)
+    norm = tl.load(norm_ptr + rows, mask=rows < num_rows, other=1.0)
+    along = tl.where(norm > 1e-12, along, 0.0)
+    for k in range(0, dim, BLOCK_D):
+        g, at, ok = _row_block(g_ptr, rows, k, num_rows, dim, BLOCK_D)
+        y, _, _ = _row_block(y_ptr, rows, k, num_rows, dim, BLOCK_D)
+        tl.store(dt_ptr + at, tl.div_rn(g - y * along[:, None], norm[:, None]).to(dt_ptr.dtype.element_ty), mask=ok)
 
 
 # ---- launch plans -----------------------------------------------------------------------------
@@ -1241,6 +1287,26 @@ def plan_cost(launches, num_x, num_ref, dim):
     return {"gemms": flops / max(2 * num_x * num_ref * dim, 1), "programs": programs}
 
 
+def _rows_launch(kernel, shape, **tensors):
+    """A launch of one of the row kernels over a contiguous [rows, D] tensor: blocks of 2048 elements
+    (at most 512 columns), 16 a thread (under 100 registers on sm_80 and sm_90)."""
+    block_d = min(_pow2_at_least_16(shape[1]), 512)
+    return Launch(kernel, (_cdiv(shape[0], 2048 // block_d),), dict(tensors, num_rows=shape[0], dim=shape[1]),
+                  dict(BLOCK_R=2048 // block_d, BLOCK_D=block_d), 4, 1)
+
+
+def unit_rows_plan(t):
+    """(y, the clamped norms, launches): rows of a contiguous `t` scaled to unit L2 norm."""
+    y, norm = torch.empty_like(t), t.new_empty(t.shape[0], dtype=torch.float32)
+    return y, norm, [_rows_launch(_unit_rows_kernel, t.shape, t_ptr=t, y_ptr=y, norm_ptr=norm)]
+
+
+def unit_rows_grad_plan(grad, y, norm):
+    """(dt, launches): the gradient of unit_rows_plan's y, from contiguous `grad` and `y`."""
+    dt = torch.empty_like(y)
+    return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, g_ptr=grad, y_ptr=y, norm_ptr=norm, dt_ptr=dt)]
+
+
 def _run(plan, device, *args):
     """Runs the plan's launches under `device` (Triton launches on the current CUDA device and stream),
     the cuBLAS products (`Product`) with grad mode off (a backward under create_graph=True runs with
@@ -1278,6 +1344,28 @@ def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, lab
         return grad[:, :like.shape[1]].to(like.dtype).contiguous()
 
     return unpadded(grad_x, x), (unpadded(grad_ref, ref) if ref_grad else grad_ref)
+
+
+class _UnitRows(torch.autograd.Function):
+    """ms_loss_cuda.loss.unit_rows (F.normalize in the rows' own dtype) in one launch each way, for
+    the triton backend's eager calls: torch's ops take four launches forward and ten backward, and
+    pass over [B, D] (or a memory bank's [R, D]) several times more. No second derivative, as the
+    fused loss has none: differentiating the gradient again raises."""
+
+    @staticmethod
+    def forward(ctx, t):
+        y, norm = _run(unit_rows_plan, t.device, t.contiguous())
+        ctx.save_for_backward(t, y, norm)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, y, norm = ctx.saved_tensors
+        (dt,) = _run(unit_rows_grad_plan, y.device, grad.contiguous(), y, norm)
+        return ops._FirstDerivativeOnly.apply(t, dt)[0] if torch.is_grad_enabled() else dt  # (create_graph=True)
+
+
+unit_rows = _UnitRows.apply
 
 
 # the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward the loss calls
