@@ -277,6 +277,24 @@ def test_negatives_far_below_base_under_a_steep_beta(target, case):
     check(target, kwargs, torch.float32, "none", rtol=1e-4, mining=False, beta=300.0, base=0.5)
 
 
+@pytest.mark.parametrize("mining", [True, False])
+@pytest.mark.parametrize("case", ["self_ids", "ref_ids"])
+def test_negatives_above_base_in_every_tile(target, case, mining):
+    """Every row leans towards one shared direction, so that pairs of different classes reach S = 0.5
+    to 0.95, above base: the negatives' exponents beta (S - base) are positive in every tile and their
+    largest keeps rising along a column split (B = 300: the interpreter's launch has two splits of
+    five tiles). The online log-sum-exp must rescale what it summed before each new largest, and the
+    splits' sums when it combines them; in the other tests the exponents mostly stay below 0, where
+    the shift stays 0 and a missing rescale changes nothing (each was caught by one case of
+    test_sizes alone)."""
+    kwargs = build_case(case, 300, 16, torch.float32, seed=9)
+    lean = F.normalize(torch.randn(16, generator=torch.Generator().manual_seed(2)), dim=0)
+    for key in ("embeddings", "ref_embeddings"):
+        if key in kwargs:
+            kwargs[key] = F.normalize(kwargs[key], dim=1) + 2.0 * lean
+    check(target, kwargs, torch.float32, "none", rtol=1e-4, mining=mining)
+
+
 @pytest.mark.parametrize("rows", [[8.0, -8.0, -10.0, -10.5], [10.0, 1.0, 0.5, 0.45]])
 def test_empty_mined_sets_with_similarities_far_from_base(target, rows):
     """Rows left unnormalised, so S lies far from base: anchor 0 has a positive and two negatives but
