@@ -282,8 +282,8 @@ def test_negatives_far_below_base_under_a_steep_beta(target, case):
 def test_negatives_above_base_in_every_tile(target, case, mining):
     """Every row leans towards one shared direction, so that pairs of different classes reach S = 0.5
     to 0.95, above base: the negatives' exponents beta (S - base) are positive in every tile and their
-    largest keeps rising along a column split (B = 300: the interpreter's launch has two splits of
-    five tiles). The online log-sum-exp must rescale what it summed before each new largest, and the
+    largest keeps rising along a column split (B = 300: under the interpreter the self case's launch
+    has three splits of two tiles, the reference set's three of one). The online log-sum-exp must rescale what it summed before each new largest, and the
     splits' sums when it combines them; in the other tests the exponents mostly stay below 0, where
     the shift stays 0 and a missing rescale changes nothing (each was caught by one case of
     test_sizes alone)."""
