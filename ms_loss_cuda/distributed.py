@@ -8,7 +8,7 @@ loss on the concatenated batch. The value returned on every rank is that single-
 import torch
 import torch.distributed as dist
 
-from .loss import _loss_dtype, multi_similarity_loss as _multi_similarity_loss, unit_rows
+from .loss import _loss_dtype, multi_similarity_loss as _multi_similarity_loss, normalized_rows
 
 __all__ = ["gather", "multi_similarity_loss"]
 
@@ -85,8 +85,11 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
     everyone, all_labels, all_ids, ids = gather(embeddings, labels, ids)
     total = everyone.shape[0]
     normalize = loss_options.pop("normalize", True)
-    x = unit_rows(embeddings) if normalize else embeddings
-    everyone = unit_rows(everyone) if normalize else everyone
+    if normalize:
+        backend = loss_options.get("backend", "auto")
+        x, everyone = normalized_rows(embeddings, backend), normalized_rows(everyone, backend)
+    else:
+        x = embeddings
     # Per-anchor losses summed in float32 (float64): a 16-bit sum over thousands of anchors would overflow.
     compute = torch.float64 if embeddings.dtype == torch.float64 else torch.float32
     own = _multi_similarity_loss(x, labels, ids=ids, ref_embeddings=everyone, ref_labels=all_labels,

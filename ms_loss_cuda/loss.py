@@ -205,6 +205,18 @@ class _UnitRows(torch.autograd.Function):
         return torch.addcmul(g, y, along.to(g.dtype), value=-1).div_(norm.to(g.dtype))
 
 
+def _normalizer(backend):
+    """unit_rows, or for eager calls of the triton backend its own two kernels, one launch each way
+    (traced calls keep torch's ops, which the compiler fuses itself)."""
+    return _triton_kernels().unit_rows if backend == "triton" and not ops._traced() else unit_rows
+
+
+def normalized_rows(t, backend="auto"):
+    """The rows of `t` normalised as the loss normalises them with `backend` (CrossBatchMemory and the
+    distributed loss normalise once, then call the loss with normalize=False)."""
+    return _normalizer(_resolve_backend(backend, t.device, t.dtype))(t)
+
+
 def _nan_if_nonfinite(loss, *inputs):
     """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on
     each tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's
@@ -281,9 +293,7 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device, embeddings.dtype)
     x, ref = embeddings, ref_embeddings
     if normalize:
-        # eager triton calls normalise with its own kernels, one launch each way; traced calls with
-        # torch's ops, which the compiler fuses itself
-        normalized = _triton_kernels().unit_rows if backend == "triton" and not ops._traced() else unit_rows
+        normalized = _normalizer(backend)
         x = normalized(x)
         ref = None if ref is None else normalized(ref)
     if masks is not None:

@@ -2,7 +2,7 @@
 `size` embeddings, never turned into a B x M matrix."""
 import torch
 
-from .loss import multi_similarity_loss, unit_rows
+from .loss import multi_similarity_loss, normalized_rows
 from .ops import HYPER_PARAMETERS
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
@@ -58,7 +58,7 @@ class CrossBatchMemory(torch.nn.Module):
                              "are skipped, which is how a sample never meets its own stored copies")
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"embeddings must be [B, {self.dim}] for this memory, got {tuple(embeddings.shape)}")
-        x = unit_rows(embeddings) if self.normalize else embeddings
+        x = normalized_rows(embeddings, self.loss_options.get("backend", "auto")) if self.normalize else embeddings
         loss = multi_similarity_loss(x, labels, ids=ids, normalize=False, **self.loss_options)
         term = self.memory_term(x, labels, ids, x, labels, ids)
         return loss if term is None else loss + self.weight * term

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ms_loss_cuda import CrossBatchMemory, available_backends, reference
+from ms_loss_cuda import CrossBatchMemory, available_backends, multi_similarity_loss, reference
 
 from conftest import assert_close
 
@@ -107,6 +107,19 @@ def test_a_large_memory_runs_fused():
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     assert memory.filled == 2 * 4096 + 64
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if b in available_backends("cpu")])
+def test_the_memory_normalises_as_the_loss_does(backend):
+    """The memory normalises the batch once, as the loss would for its backend (the triton backend with
+    its own kernels), then calls the loss with normalize=False: during the warm-up its value and
+    gradient are those of the loss itself, bit for bit."""
+    x, labels, ids = next(batches(1, 40, 16, samples=100, classes=8))
+    x = x.float().requires_grad_()
+    memory = CrossBatchMemory(64, 16, warmup=1, backend=backend)
+    loss, expected = memory(x, labels, ids), multi_similarity_loss(x, labels, ids=ids, backend=backend)
+    assert torch.equal(loss, expected)
+    assert torch.equal(torch.autograd.grad(loss, x)[0], torch.autograd.grad(expected, x)[0])
 
 
 def test_bad_input():
