@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a GPU, a CUDA build of torch, triton and nvcc:
-#   bench/gpu_check.sh DIR [STEP ...]      (make gpu-check DIR=...; default: every step, in order)
-# Steps: build (the CUDA kernels, for this GPU's architecture), tests (the test suite on CUDA
-# tensors, without the static compile checks and the CPU emulation of CUDA, which need no GPU),
-# sanitize (compute-sanitizer memcheck, racecheck, synccheck on small cases of every kernel),
-# tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates too;
-# TUNE_KINDS=backward skips the forward's), bench (bench/benchmark.py for float16, bfloat16, float32
-# and float32 under TF32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and
-# 1024 x 1048576, D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32"), kernels
-# (bench/kernel_times.py: each kernel's time in one float16 step of each fused backend and of the
-# chunked triton backward, against the step's wall time and host time; bench/host_time.py: the
-# host's time of a triton step through the eager autograd.Function and through the custom ops),
-# profile (Nsight Compute on one float16 step of each fused backend at B = 16384, not a default
-# step). Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is
-# non-zero when a step failed. STEP_LIMIT (s) caps each step.
+#   bench/gpu_check.sh DIR [STEP ...]      (make gpu-check DIR=...)
+# Default steps, in order (about 9.5 minutes on an H100, estimated from each step's last time):
+# build (the CUDA kernels, for this GPU's architecture), tests (the test suite on CUDA tensors,
+# without the static compile checks and the CPU emulation of CUDA, which need no GPU), sanitize
+# (compute-sanitizer memcheck, racecheck, synccheck on small cases of every kernel, the triton
+# backend's fused and chunked backward both), bench (bench/benchmark.py for float16, bfloat16 and
+# float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and 1024 x 1048576,
+# D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32", the last float32 under
+# TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each fused
+# backend and of the chunked triton backward, against the step's wall time and host time;
+# bench/host_time.py: the host's time of a triton step, three ways).
+# On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
+# too, about 4 minutes; TUNE_KINDS=backward skips the forward's), profile (Nsight Compute on one
+# float16 step of each fused backend at B = 16384).
+# Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero
+# when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
 DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench kernels profile]}
 shift
-STEPS=${*:-build tests sanitize tune bench kernels}  # profile: on request
+STEPS=${*:-build tests sanitize bench kernels}  # tune, profile: on request
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)  # (relative to the caller's directory)
 cd "$(dirname "$0")/.."
@@ -63,7 +65,7 @@ for step in $STEPS; do
     run_step tests 900 $PY -m pytest -q -rs $xdist tests --ignore=tests/test_triton_compile.py \
       --ignore=tests/test_cuda_compile.py -k "not cuda_emulated" --junitxml="$DIR/tests.xml" ;;
   sanitize)
-    for backend in cuda triton triton-chunked; do
+    for backend in cuda triton; do
       run_step "sanitize-$backend-warmup" 300 $PY bench/gpu_sanitize.py --backend $backend  # compiles outside the tools
       for tool in memcheck racecheck synccheck; do
         run_step "sanitize-$backend-$tool" 600 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool \
@@ -73,10 +75,12 @@ for step in $STEPS; do
   tune)
     run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} --out "$DIR/tune.json" ;;
   bench)
-    for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32 float32-tf32}; do
+    for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
+      providers=  # (IEEE float32 steps take 0.01-2.6 s: no CUDA-graph cells, whose point is the host's share)
+      [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-chunked cuda pml"
       run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
         $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
-        --max-seconds 10 --out "$DIR/bench-$dtype"
+        --max-seconds 10 $providers --out "$DIR/bench-$dtype"
     done ;;
   kernels)
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \

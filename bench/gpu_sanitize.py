@@ -4,12 +4,13 @@ and without a gradient (a memory bank takes none), mining on and off, partial ro
 and column splits (B = 97, R = 151, D = 130), and the self case with identities over several row
 blocks (B = 300: the forward skips each block's positive range and compares the identities): some
 shared by rows of different labels (self_ids: the flag that makes every tile compare them) and all
-distinct (self_distinct_ids: the label-free tiles of the backward's label order);
-triton-chunked: the triton backend with its chunked
-backward, one tile row (or column) of weights per chunk. Exits non-zero when a result is not finite.
-Usage: python bench/gpu_sanitize.py --backend triton|triton-chunked|cuda
+distinct (self_distinct_ids: the label-free tiles of the backward's label order). The triton backend
+runs each case twice: with its fused backward and with its chunked one (one tile row or column of
+weights per chunk). Exits non-zero when a result is not finite.
+Usage: python bench/gpu_sanitize.py --backend triton|cuda
 """
 import argparse
+import itertools
 import os
 
 import torch
@@ -19,16 +20,16 @@ import ms_loss_cuda
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", required=True, choices=("triton", "triton-chunked", "cuda"))
+    parser.add_argument("--backend", required=True, choices=("triton", "cuda"))
     args = parser.parse_args()
-    if args.backend == "triton-chunked":
-        os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "1e-6"  # (1 byte: one tile row or column a chunk)
-    backend = args.backend.split("-")[0]
+    backwards = ("fused", "chunked") if args.backend == "triton" else ("fused",)
     gen = torch.Generator().manual_seed(0)
     batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for case in ("self", "ref", "bank", "self_ids", "self_distinct_ids"):
-            for mining in (True, False):
+            for mining, backward in itertools.product((True, False), backwards):
+                # (the chunked backward at 1 byte of weights: one tile row or column a chunk)
+                os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "1e-6" if backward == "chunked" else "0"
                 rows = 300 if case.endswith("ids") else batch
                 x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
                 labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()
@@ -38,11 +39,11 @@ def main():
                 elif case != "self":  # a memory bank takes no gradient
                     ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(case == "ref")
                     extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())
-                loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=backend, **extra)
+                loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=args.backend, **extra)
                 grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if case == "ref" else []))
                 torch.cuda.synchronize()
                 finite = torch.isfinite(loss).item() and all(torch.isfinite(g).all().item() for g in grads)
-                print(f"{args.backend} {dtype} {case} mining={mining}: loss {loss.item():.5f}"
+                print(f"{args.backend} {dtype} {case} mining={mining} {backward} backward: loss {loss.item():.5f}"
                       + ("" if finite else "  NOT FINITE"), flush=True)
                 if not finite:
                     raise SystemExit(1)
