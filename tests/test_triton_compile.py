@@ -1,6 +1,8 @@
 """Static checks of the Triton kernels: every launch the dispatcher makes, compiled ahead of time
-for sm_80 (A100) and sm_90 (H100) without a GPU (tests/triton_aot.py), uses tensor cores for
-16-bit inputs and compiles without spills or a stack frame (bar a value of 8 bytes, see below)."""
+for sm_80 (A100) and sm_90 (H100) without a GPU (tests/triton_aot.py), and for Blackwell, sm_100
+(B200) and sm_120 (RTX 50), at D = 512 in float16 and float32, uses tensor cores for 16-bit inputs,
+compiles without spills or a stack frame (bar a value of 8 bytes, see below) and fits the shared
+memory of every GPU of its targets."""
 import json
 import os
 import subprocess
@@ -56,12 +58,36 @@ def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)
-    missing = [describe(r) for r in products
-               if not (r["wgmma"] or (r["mma_sync"] and r["config"]["BLOCK_M"] < 64) if r["cc"] == 90 else r["mma_sync"])]
-    assert not missing, "no wgmma.mma_async (sm_90) / mma.sync (sm_80) in: " + "; ".join(missing)
+    expected = {80: lambda r: r["mma_sync"], 90: lambda r: r["wgmma"] or (r["mma_sync"] and r["config"]["BLOCK_M"] < 64),
+                100: lambda r: r["tcgen05"], 120: lambda r: r["mma_sync"]}
+    missing = [describe(r) for r in products if not expected[r["cc"]](r)]
+    assert not missing, ("no mma.sync (sm_80, sm_120) / wgmma.mma_async (sm_90) / tcgen05.mma (sm_100) in: "
+                         + "; ".join(missing))
     assert all(r["tf32"] for r in products if r["dtype"] == "float32-tf32")
-    ieee = [describe(r) for r in records if r["dtype"] == "float32" and (r["tf32"] or r["wgmma"] or r["mma_sync"])]
+    ieee = [describe(r) for r in records
+            if r["dtype"] == "float32" and (r["tf32"] or r["wgmma"] or r["mma_sync"] or r["tcgen05"])]
     assert not ieee, "float32 under precision 'highest' must not use TF32: " + "; ".join(ieee)
+
+
+def test_blackwell_gets_every_launch_of_hopper(records):
+    """sm_100 and sm_120 take the tile table's entries for capability 9.0 and up: each launch of the
+    float16 and float32 step at D = 512 compiles for them."""
+    for dtype in ("float16", "float32"):
+        hopper = {r["kernel"] for r in records
+                  if r["dtype"] == dtype and r["cc"] == 90 and r["dim"] == 512 and r["mining"] and not r["skip"]}
+        for cc in (100, 120):
+            assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == hopper
+
+
+# The most shared memory a program may take on the GPUs of each target (opt-in, per block): the
+# sm_80 entries of the tile table also serve sm_86 and sm_89 (RTX 30 and 40 series, 99 KiB); sm_90
+# and sm_100 227 KiB; sm_120 (RTX 50 series) 99 KiB. Triton refuses a launch above it.
+SHARED_MEMORY = {80: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def test_every_program_fits_the_shared_memory_of_its_gpus(records):
+    over = [f"{describe(r)}: {r['shared']} bytes" for r in records if r["shared"] > SHARED_MEMORY[r["cc"]]]
+    assert not over, "more shared memory than the GPUs of the target have:\n" + "\n".join(over)
 
 
 # ptxas parks a value or two on the stack in a few launches at low register counts (sm_80: float16/

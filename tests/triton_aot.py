@@ -1,8 +1,9 @@
 """Compiles every Triton kernel launch the dispatcher makes, ahead of time for sm_80 and sm_90
-(no GPU or driver needed), and prints one JSON record per (launch, target): tensor-core
-instructions in the PTX and what `ptxas -v` reports. Run by tests/test_triton_compile.py in a
-process of its own, because TRITON_INTERPRET=1 (set for the interpreted tests) replaces the jit
-functions this needs.  Usage: python tests/triton_aot.py
+(no GPU or driver needed), and the float16 and float32 launches at D = 512 for Blackwell, sm_100
+(B200) and sm_120 (RTX 50), and prints one JSON record per (launch, target): tensor-core
+instructions in the PTX, what `ptxas -v` reports and the shared memory a program needs. Run by
+tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
+interpreted tests) replaces the jit functions this needs.  Usage: python tests/triton_aot.py
 """
 import json
 import multiprocessing
@@ -23,7 +24,8 @@ from triton.compiler import ASTSource
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
 from ms_loss_cuda.triton_kernels.ms_loss import Launch, unit_rows_grad_plan, unit_rows_plan
 
-TARGETS = {80: "sm_80", 90: "sm_90a"}
+TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
+BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
                  torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
@@ -114,7 +116,8 @@ def compile_record(job):
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
     return dict(dtype=dtype_name, dim=dim, mining=mining, skip=skip, kernel=name, cc=cc,
                 config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
-                wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tf32=".tf32" in ptx,
+                wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tcgen05="tcgen05.mma" in ptx,
+                tf32=".tf32" in ptx, shared=compiled.metadata.shared,
                 registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
                 spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
 
@@ -125,6 +128,8 @@ def jobs():
             variants = [(True, False)] + ([(False, True)] if dim == DIMS[-1] else [])
             for mining, skip in variants:
                 for cc in TARGETS:
+                    if cc in BLACKWELL and (dtype not in ("float16", "float32") or dim != DIMS[-1] or not mining):
+                        continue
                     for name in launches(dtype, dim, mining, skip, cc):
                         if name == "_minpos_kernel" and not mining:
                             continue  # it has no mining option
