@@ -58,9 +58,11 @@ def _unavailable_reason(backend, device, dtype=None):
             return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
         if device.type not in ("cpu", "cuda"):
             return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
-        if (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available()
-                and torch.cuda.get_device_capability(device) < (8, 0)):
-            return "bfloat16 needs a GPU of compute capability 8.0 or newer"
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+            # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core
+            # instructions and spill kilobytes of registers a thread (README, "The Triton kernels")
+            return (f"it needs a GPU of compute capability 8.0 or newer (as Triton does), "
+                    f"got {torch.cuda.get_device_capability(device)}")
     return None
 
 
@@ -92,14 +94,20 @@ def _choose_backend(backend, device, dtype):
         if reason is not None:
             raise RuntimeError(f"backend {backend!r} cannot run: {reason}")
         return backend
-    preferred = ("cpu",) if device.type != "cuda" else AUTO_ON_CUDA if dtype in ops.GPU_DTYPES else ()
+    if device.type == "cuda":
+        preferred = AUTO_ON_CUDA if dtype in ops.GPU_DTYPES else ()
+    else:
+        preferred = ("cpu",) if device.type == "cpu" else ()
+    reasons = []
     for candidate in preferred:
-        if _unavailable_reason(candidate, device, dtype) is None:
+        reason = _unavailable_reason(candidate, device, dtype)
+        if reason is None:
             return candidate
+        reasons.append(f"{candidate}: {reason}")
     global _warned_fallback
-    if device.type == "cpu" and not _warned_fallback:
+    if reasons and not _warned_fallback:  # (once a process: the dense backend holds B x R matrices)
         _warned_fallback = True
-        warnings.warn(f"ms_loss_cuda: using the dense reference backend: {_unavailable_reason('cpu', device)}")
+        warnings.warn("ms_loss_cuda: using the dense reference backend (" + "; ".join(reasons) + ")")
     return "reference"
 
 

@@ -148,8 +148,25 @@ def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):
     reasons.update(cuda="not built", triton=None)
     assert api._resolve_backend("auto", cuda, torch.float32) == "triton"
     reasons.update(triton="no triton")
-    assert api._resolve_backend("auto", cuda, torch.float16) == "reference"
+    monkeypatch.setattr(api, "_warned_fallback", False)
+    with pytest.warns(UserWarning, match=r"dense reference backend \(triton: no triton; cuda: not built\)"):
+        assert api._resolve_backend("auto", cuda, torch.float16) == "reference"
     assert api._resolve_backend("auto", cuda, torch.float64) == "reference"
+
+
+@pytest.mark.skipif("triton" not in available_backends(), reason="needs Triton (or its interpreter)")
+def test_triton_needs_a_gpu_of_compute_capability_8(monkeypatch):
+    """Triton supports GPUs of compute capability 8.0 and up; below (V100, T4) its 16-bit kernels
+    compile without tensor-core instructions and spill, so "auto" must not pick it there."""
+    from ms_loss_cuda import loss as api
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    for capability, reason in (((7, 5), "compute capability 8.0 or newer"), ((8, 6), None), ((12, 0), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            got = api._unavailable_reason("triton", cuda, dtype)
+            assert got is None if reason is None else reason in got
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
