@@ -1,5 +1,6 @@
-"""ms_loss_cuda.distributed on 2 processes (gloo, CPU) against the single-process loss of the
-concatenated batch: the value on every rank, and DistributedDataParallel's parameter gradients."""
+"""ms_loss_cuda.distributed on 2 processes (gloo, CPU tensors; triton under the interpreter) against
+the single-process loss of the concatenated batch: the value on every rank, and
+DistributedDataParallel's parameter gradients."""
 import os
 import socket
 
@@ -21,26 +22,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _data(step):
+def _data(step, dtype):
     gen = torch.Generator().manual_seed(step)
-    inputs = torch.randn(sum(SIZES), 6, generator=gen, dtype=torch.float64)
+    inputs = torch.randn(sum(SIZES), 6, generator=gen, dtype=torch.float64).to(dtype)
     labels = torch.randint(0, 3, (sum(SIZES),), generator=gen)
     ids = torch.randperm(40, generator=gen)[:sum(SIZES)]  # samples come back across steps
     return inputs, labels, ids
 
 
-def _model():
+def _model(dtype):
     torch.manual_seed(0)
-    return torch.nn.Linear(6, 5).double()
+    return torch.nn.Linear(6, 5).to(dtype)
 
 
-def _single_process(options, memory_size, steps):
+def _single_process(options, memory_size, steps, dtype):
     """[(loss, parameter gradients)] per step of one process on the whole batch."""
-    model = _model()
+    model = _model(dtype)
     memory = ms_loss_cuda.CrossBatchMemory(memory_size, 5, weight=0.5, **options) if memory_size else None
     results = []
     for step in range(steps):
-        inputs, labels, ids = _data(step)
+        inputs, labels, ids = _data(step, dtype)
         model.zero_grad()
         embeddings = model(inputs)
         if memory is None:
@@ -52,22 +53,22 @@ def _single_process(options, memory_size, steps):
     return results
 
 
-def _worker(rank, port, options, memory_size, steps, out):
+def _worker(rank, port, options, memory_size, steps, dtype, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    _train(rank, options, memory_size, steps, out)  # its DistributedDataParallel is gone before the group
+    _train(rank, options, memory_size, steps, dtype, out)  # its DistributedDataParallel is gone before the group
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _train(rank, options, memory_size, steps, out):
-    model = torch.nn.parallel.DistributedDataParallel(_model())
+def _train(rank, options, memory_size, steps, dtype, out):
+    model = torch.nn.parallel.DistributedDataParallel(_model(dtype))
     memory = ms_loss_cuda.CrossBatchMemory(memory_size, 5, weight=0.5, **options) if memory_size else None
     start = sum(SIZES[:rank])
     mine = slice(start, start + SIZES[rank])
     results = []
     for step in range(steps):
-        inputs, labels, ids = _data(step)
+        inputs, labels, ids = _data(step, dtype)
         model.zero_grad()
         embeddings = model(inputs[mine])
         if memory is None:
@@ -79,21 +80,23 @@ def _train(rank, options, memory_size, steps, out):
     torch.save(results, out)
 
 
-@pytest.mark.parametrize("memory_size,options", [
-    (0, dict(backend="reference")),
-    (0, dict(backend="cpu", reduction="sum", epsilon=0.3)),
-    (9, dict(backend="cpu", warmup=1)),
+@pytest.mark.parametrize("memory_size,options,dtype", [
+    (0, dict(backend="reference"), torch.float64),
+    (0, dict(backend="cpu", reduction="sum", epsilon=0.3), torch.float64),
+    (9, dict(backend="cpu", warmup=1), torch.float64),
+    (9, dict(backend="triton", warmup=1), torch.float32),  # (under the interpreter without a GPU)
 ])
-def test_two_processes_equal_one(memory_size, options, tmp_path):
+def test_two_processes_equal_one(memory_size, options, dtype, tmp_path):
     if options["backend"] not in ms_loss_cuda.available_backends("cpu"):
-        pytest.skip("fused CPU kernel not built")
+        pytest.skip(f"backend {options['backend']} cannot run here")
     steps = 3
     loss_options = {k: v for k, v in options.items() if k != "warmup"}
     memory_options = dict(loss_options, warmup=options.get("warmup", 0)) if memory_size else loss_options
     context = mp.get_context("spawn")
     port = _free_port()
     outputs = [str(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
-    processes = [context.Process(target=_worker, args=(rank, port, memory_options, memory_size, steps, outputs[rank]))
+    processes = [context.Process(target=_worker,
+                                 args=(rank, port, memory_options, memory_size, steps, dtype, outputs[rank]))
                  for rank in range(WORLD)]
     for p in processes:
         p.start()
@@ -103,13 +106,14 @@ def test_two_processes_equal_one(memory_size, options, tmp_path):
             p.kill()
     assert [p.exitcode for p in processes] == [0] * WORLD
     results = [torch.load(path) for path in outputs]
-    expected = _single_process(memory_options, memory_size, steps)
+    expected = _single_process(memory_options, memory_size, steps, dtype)
+    close = dict(rtol=1e-6, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)  # (sums' order)
     for step, (loss, grads) in enumerate(expected):
         for rank in range(WORLD):
             got_loss, got_grads = results[rank][step]
-            torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(got_loss, loss, **close)
             for got, want in zip(got_grads, grads):
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+                torch.testing.assert_close(got, want, **close)
 
 
 def test_needs_a_process_group():
