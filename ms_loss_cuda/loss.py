@@ -183,23 +183,26 @@ def unit_rows(t):
 
 
 def _row_norms(t):
-    """max(|t_i|, 1e-12) per row, in float32 (float64 for float64)."""
-    return torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=torch.promote_types(t.dtype, torch.float32)
-                                    ).clamp_min(1e-12)
+    """max(|t_i|, 1e-12) per row, in float32 (float64 for float64). float32 and bfloat16 rows are summed
+    in float64: their squares overflow float32 from |t_i| of about 1.8e19 on (F.normalize then makes
+    the row 0), in float64 only where the norm itself leaves float32's range."""
+    summed = torch.float32 if t.dtype == torch.float16 else torch.float64
+    return torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=summed).to(ops._compute_dtype(t)).clamp_min(1e-12)
 
 
 class _UnitRows(torch.autograd.Function):
     """y = t / max(|t|, 1e-12) row by row, with the analytic backward dt = (g - y (g . y)) / |t| (just
     g / 1e-12 where the norm was clamped): three passes over [B, D], where autograd's chain through
     the division and the norm makes six. The backward is built from t and y with differentiable ops,
-    so second derivatives stay exact."""
+    so second derivatives stay exact. 16-bit rows are divided by the float32 norm and rounded once:
+    a float16 norm would be inf above 65504 (and the row 0)."""
 
     generate_vmap_rule = True
 
     @staticmethod
     @ops.fixed_signature
     def forward(t):
-        return t / _row_norms(t).to(t.dtype)
+        return (t / _row_norms(t)).to(t.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -210,7 +213,7 @@ class _UnitRows(torch.autograd.Function):
         t, y = ctx.saved_tensors
         norm = _row_norms(t)
         along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
-        return torch.addcmul(g, y, along.to(g.dtype), value=-1).div_(norm.to(g.dtype))
+        return (torch.addcmul(g, y, along.to(g.dtype), value=-1) / norm).to(g.dtype)
 
 
 def _normalizer(backend):

@@ -7,7 +7,7 @@ import torch
 import ms_loss_cuda
 from ms_loss_cuda import MultiSimilarityLoss, available_backends, multi_similarity_loss
 
-from conftest import make_batch
+from conftest import TOLERANCE, assert_close, make_batch
 
 BACKENDS = [b for b in ("reference", "cpu") if b in available_backends()]
 
@@ -184,6 +184,26 @@ def test_unit_rows_is_normalize_in_the_input_dtype(dtype):
     (theirs * weights).sum().backward()
     loose = dict(rtol=2e-2, atol=1e-2) if dtype == torch.bfloat16 else {}  # (the norm is float32 here)
     torch.testing.assert_close(a.grad, b.grad, **loose)
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float16, 3e3), (torch.bfloat16, 1e25), (torch.float32, 1e25)])
+def test_unit_rows_of_rows_whose_norm_overflows_their_dtype(dtype, scale):
+    """float16 rows of norm above 65504, float32 and bfloat16 rows whose squares overflow float32:
+    the unit rows and their gradient as in float64 (F.normalize gives rows of 0 for the last two)."""
+    from ms_loss_cuda.loss import unit_rows
+
+    gen = torch.Generator().manual_seed(3)
+    t = (torch.randn(5, 1000, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    g = torch.randn(5, 1000, generator=gen, dtype=torch.float64)
+    results = []
+    for rows in (t.clone(), t.double()):
+        rows.requires_grad_()
+        y = unit_rows(rows)
+        results.append((y, torch.autograd.grad(y, rows, g.to(rows.dtype))[0]))
+    (y, dt), (y64, dt64) = results
+    assert y.dtype == dt.dtype == dtype
+    assert_close(y, y64, TOLERANCE[dtype])
+    assert_close(dt, dt64, TOLERANCE[dtype])
 
 
 def test_unit_rows_second_derivatives_and_vmap():

@@ -295,6 +295,17 @@ def test_negatives_above_base_in_every_tile(target, case, mining):
     check(target, kwargs, torch.float32, "none", rtol=1e-4, mining=mining)
 
 
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.float16, 5e3)])
+def test_rows_whose_norm_overflows_their_dtype(target, dtype, scale):
+    """Rows scaled far beyond unit norm normalise to the same rows: float16 rows of norm above 65504
+    (a float16 norm is inf, the row 0), float32 rows whose squares overflow float32 (from about 1.8e19
+    on; F.normalize makes them 0). The loss is that of the unscaled rows."""
+    kwargs = build_case("ref_ids", 61, 130, torch.float64, seed=6)
+    for key in ("embeddings", "ref_embeddings"):
+        kwargs[key] = (kwargs[key] * scale).to(dtype)
+    check(target, kwargs, dtype, "none")
+
+
 @pytest.mark.parametrize("rows", [[8.0, -8.0, -10.0, -10.5], [10.0, 1.0, 0.5, 0.45]])
 def test_empty_mined_sets_with_similarities_far_from_base(target, rows):
     """Rows left unnormalised, so S lies far from base: anchor 0 has a positive and two negatives but

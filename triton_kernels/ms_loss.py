@@ -646,15 +646,25 @@ def _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): torch's F.normalize, in
-    one launch where it takes four (the norm, its clamp and cast, the division)."""
+def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, WIDE_SUMS: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): ms_loss_cuda.loss.unit_rows
+    in one launch where it takes four (the norm, its clamp and cast, the division). WIDE_SUMS (float32
+    and bfloat16 rows): the squares summed in float64, as there (float32's overflow from 1.8e19 on)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     squares = tl.zeros((BLOCK_R,), tl.float32)
+    if WIDE_SUMS:
+        squares = squares.to(tl.float64)
     for k in range(0, dim, BLOCK_D):
         t, _, _ = _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D)
+        if WIDE_SUMS:
+            t = t.to(tl.float64)
         squares += tl.sum(t * t, axis=1)
-    norm = tl.maximum(tl.sqrt_rn(squares), 1e-12)
+    if WIDE_SUMS:
+        norm = tl.sqrt(squares).to(tl.float32)  # (float64's square root is rounded correctly)
+    else:
+        norm = tl.sqrt_rn(squares)
+    norm = tl.maximum(norm, 1e-12)
     tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
     for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
         t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D)
@@ -1287,24 +1297,25 @@ def plan_cost(launches, num_x, num_ref, dim):
     return {"gemms": flops / max(2 * num_x * num_ref * dim, 1), "programs": programs}
 
 
-def _rows_launch(kernel, shape, **tensors):
+def _rows_launch(kernel, shape, constexprs, **tensors):
     """A launch of one of the row kernels over a contiguous [rows, D] tensor: blocks of 2048 elements
     (at most 512 columns), 16 a thread (under 100 registers on sm_80 and sm_90)."""
     block_d = min(_pow2_at_least_16(shape[1]), 512)
     return Launch(kernel, (_cdiv(shape[0], 2048 // block_d),), dict(tensors, num_rows=shape[0], dim=shape[1]),
-                  dict(BLOCK_R=2048 // block_d, BLOCK_D=block_d), 4, 1)
+                  dict(constexprs, BLOCK_R=2048 // block_d, BLOCK_D=block_d), 4, 1)
 
 
 def unit_rows_plan(t):
     """(y, the clamped norms, launches): rows of a contiguous `t` scaled to unit L2 norm."""
     y, norm = torch.empty_like(t), t.new_empty(t.shape[0], dtype=torch.float32)
-    return y, norm, [_rows_launch(_unit_rows_kernel, t.shape, t_ptr=t, y_ptr=y, norm_ptr=norm)]
+    return y, norm, [_rows_launch(_unit_rows_kernel, t.shape, dict(WIDE_SUMS=t.dtype != torch.float16), t_ptr=t,
+                                  y_ptr=y, norm_ptr=norm)]
 
 
 def unit_rows_grad_plan(grad, y, norm):
     """(dt, launches): the gradient of unit_rows_plan's y, from contiguous `grad` and `y`."""
     dt = torch.empty_like(y)
-    return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, g_ptr=grad, y_ptr=y, norm_ptr=norm, dt_ptr=dt)]
+    return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, {}, g_ptr=grad, y_ptr=y, norm_ptr=norm, dt_ptr=dt)]
 
 
 def _run(plan, device, *args):
