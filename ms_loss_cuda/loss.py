@@ -183,9 +183,9 @@ def unit_rows(t):
 
 
 def _row_norms(t):
-    """max(|t_i|, 1e-12) per row, in float32 (float64 for float64). float32 and bfloat16 rows are summed
-    in float64: their squares overflow float32 from |t_i| of about 1.8e19 on (F.normalize then makes
-    the row 0), in float64 only where the norm itself leaves float32's range."""
+    """max(|t_i|, 1e-12) per row, in float32 (float64 for float64). The squares of float32 and bfloat16
+    rows are summed in float64: in float32 they overflow from |t_i| of about 1.8e19 on (F.normalize
+    then makes the row 0); only a norm beyond float32's range itself is still lost."""
     summed = torch.float32 if t.dtype == torch.float16 else torch.float64
     return torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=summed).to(ops._compute_dtype(t)).clamp_min(1e-12)
 
