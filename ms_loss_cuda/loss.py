@@ -60,7 +60,7 @@ def _unavailable_reason(backend, device, dtype=None):
             return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
             # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core
-            # instructions and spill kilobytes of registers a thread (README, "The Triton kernels")
+            # instructions and spill kilobytes a thread (bench/kernel_resources.py --cc 75)
             return (f"it needs a GPU of compute capability 8.0 or newer (as Triton does), "
                     f"got {torch.cuda.get_device_capability(device)}")
     return None
@@ -186,8 +186,13 @@ def _row_norms(t):
     """max(|t_i|, 1e-12) per row, in float32 (float64 for float64). The squares of float32 and bfloat16
     rows are summed in float64: in float32 they overflow from |t_i| of about 1.8e19 on (F.normalize
     then makes the row 0); only a norm beyond float32's range itself is still lost."""
-    summed = torch.float32 if t.dtype == torch.float16 else torch.float64
-    return torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=summed).to(ops._compute_dtype(t)).clamp_min(1e-12)
+    return torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=squares_dtype(t.dtype)).to(ops._compute_dtype(t)
+                                                                                             ).clamp_min(1e-12)
+
+
+def squares_dtype(dtype):
+    """What the squares of a row of `dtype` are summed in for its norm (_row_norms; the triton row kernels)."""
+    return torch.float32 if dtype == torch.float16 else torch.float64
 
 
 class _UnitRows(torch.autograd.Function):

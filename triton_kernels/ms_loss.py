@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from .. import ops
-from ..loss import _check_inputs
+from ..loss import _check_inputs, squares_dtype
 
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1308,7 +1308,7 @@ def _rows_launch(kernel, shape, constexprs, **tensors):
 def unit_rows_plan(t):
     """(y, the clamped norms, launches): rows of a contiguous `t` scaled to unit L2 norm."""
     y, norm = torch.empty_like(t), t.new_empty(t.shape[0], dtype=torch.float32)
-    return y, norm, [_rows_launch(_unit_rows_kernel, t.shape, dict(WIDE_SUMS=t.dtype != torch.float16), t_ptr=t,
+    return y, norm, [_rows_launch(_unit_rows_kernel, t.shape, dict(WIDE_SUMS=squares_dtype(t.dtype) == torch.float64), t_ptr=t,
                                   y_ptr=y, norm_ptr=norm)]
 
 
