@@ -4,6 +4,7 @@ tiles or others. The numbers the README gives for Triton 3.6 (the GPU machines' 
 this script run with 3.6 on the path; tests/triton_aot.py checks every launch for spills with the
 Triton the project pins.
     python bench/kernel_resources.py [--cc 90] [--dtype float16] [--rows 4096] [--kernels _negatives _weights]
+    python bench/kernel_resources.py --cc 75 --kernels _minpos _negatives _finish _grad  (T4: why Triton needs 8.0)
                                      [--tiles 128,64,64,8,3 ...]
 --rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
 divisibility hint on the row and column ends, and can change registers and spills).
@@ -23,6 +24,9 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import triton_aot  # noqa: E402  (the dispatcher's launches and Triton's launch-time specialisation)
 
+# the tests' targets, and the T4 (below Triton's supported 8.0; the triton backend refuses it: README)
+ARCHITECTURES = {**triton_aot.TARGETS, 75: "sm_75"}
+
 
 def resources(launch, cc):
     sig, attrs = triton_aot.signature(launch)
@@ -34,7 +38,7 @@ def resources(launch, cc):
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        log = subprocess.run([ptxas, "-v", f"-arch={triton_aot.TARGETS[cc]}", ptx, "-o", ptx + ".cubin"],
+        log = subprocess.run([ptxas, "-v", f"-arch={ARCHITECTURES[cc]}", ptx, "-o", ptx + ".cubin"],
                              capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", ptx + ".cubin"],
                               capture_output=True, text=True, check=True).stdout
@@ -45,7 +49,7 @@ def resources(launch, cc):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cc", type=int, default=90, choices=sorted(triton_aot.TARGETS))
+    parser.add_argument("--cc", type=int, default=90, choices=sorted(ARCHITECTURES))
     parser.add_argument("--dtype", default="float16", choices=triton_aot.DTYPES)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--rows", type=int, default=triton_aot.ROWS)
