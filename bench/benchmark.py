@@ -6,8 +6,10 @@ four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `
 `cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
 per step; CUDA only), `triton-chunked` and `triton-chunked-graph` (the same with the triton
 backend's chunked backward: pair weights to memory 64 MiB at a time, the second product by cuBLAS;
-not shipped until a GPU run has timed it), and `pml` (pytorch-metric-learning's MultiSimilarityLoss +
-MultiSimilarityMiner).
+not shipped until a GPU run has timed it), `triton-tuned` and `triton-tuned-graph` (with --tuned
+tune.json: the triton step on the winners of bench/tune_triton.py's sweep at B = 16384 for this dtype,
+forward tiles and backward form, so that one GPU call can sweep and time them beside the shipped
+entries), and `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
 over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),
@@ -38,8 +40,9 @@ import sys
 import time
 
 TRITON = ("triton", "triton-graph", "triton-chunked", "triton-chunked-graph")
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, "cuda", "pml")
-FUSED = ("cpu", *TRITON, "cuda")
+TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, "cuda", "pml")
+FUSED = ("cpu", *TRITON, *TUNED, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", "pml")}
 HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
@@ -66,9 +69,10 @@ def make_inputs(batch, dim, noise=HARDNESS["typical"], ref_rows=None, device="cp
     return x, labels, ref, ref_labels
 
 
-def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
+def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tuned=None):
     """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`); mining=False:
-    every pair (pytorch-metric-learning's loss without its miner)."""
+    every pair (pytorch-metric-learning's loss without its miner); `tuned`: the tile table of the
+    triton-tuned providers."""
     if provider == "floor":
         return lambda x: (x @ (x if ref is None else ref).T).sum().backward()
     if provider == "matmul4":
@@ -88,12 +92,13 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True):
     import ms_loss_cuda
 
     if provider.endswith("-graph"):
-        return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining))
+        return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining, tuned))
     step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
         x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
         backend="triton" if provider.startswith("triton") else provider).backward()
     if provider.startswith("triton"):  # the fused backward, or the chunked one, whatever the environment says
-        return with_chunk_budget(step, CHUNK_MB if provider == "triton-chunked" else "0")
+        step = with_chunk_budget(step, CHUNK_MB if provider == "triton-chunked" else "0")
+        return with_tiles(step, tuned) if provider == "triton-tuned" else step
     return step
 
 
@@ -104,6 +109,21 @@ def with_chunk_budget(step, mib):
     def run(x):
         os.environ["MS_LOSS_TRITON_CHUNK_MB"] = mib
         step(x)
+
+    return run
+
+
+def with_tiles(step, table):
+    """`step` with the triton backend's tile table (ms_loss.tile_config, read by every launch plan)
+    replaced by `table` during the call."""
+    import ms_loss_cuda.triton_kernels.ms_loss as kernels
+
+    def run(x):
+        shipped, kernels.tile_config = kernels.tile_config, table
+        try:
+            step(x)
+        finally:
+            kernels.tile_config = shipped
 
     return run
 
@@ -134,6 +154,18 @@ def graphed(step):
         graph.replay()
 
     return run
+
+
+def tuned_from(path, dtype):
+    """(tile table, what it holds) from a sweep of bench/tune_triton.py for `dtype`; (None, why) when
+    the sweep has no winner for it."""
+    import tune_triton  # (bench/, this script's folder)
+
+    with open(path) as f:
+        found = tune_triton.winners(json.load(f), dtype)
+    if not found:
+        return None, f"{path} has no winners for {dtype}"
+    return tune_triton.tuned_table(found), {kind: repr(config) for kind, config in found.items()}
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -184,7 +216,7 @@ def measure_cuda(provider, inputs, args):
 
     x0, labels, ref, ref_labels = inputs
     x = x0.detach().clone().requires_grad_()
-    step = step_function(provider, labels, ref, ref_labels, mining=not args.no_mining)
+    step = step_function(provider, labels, ref, ref_labels, mining=not args.no_mining, tuned=args.tuned_table)
 
     def run():
         x.grad = None
@@ -365,6 +397,8 @@ def main():
     parser.add_argument("--no-mining", action="store_true", help="every pair, no miner (the 'mining off' level)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: " + "; ".join(f"{d}: {' '.join(p)}" for d, p in DEFAULT_PROVIDERS.items()))
+    parser.add_argument("--tuned", metavar="TUNE_JSON",
+                        help="add the triton-tuned providers: the winners of bench/tune_triton.py's sweep (CUDA only)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="stop repeating after this much time")
     parser.add_argument("--out", default="bench/results/latest")
@@ -373,9 +407,9 @@ def main():
     if args.worker:
         print(json.dumps(measure_cpu(args.worker[0], int(args.worker[1]), args)))
         return
-    if args.bank and args.device != "cuda":
-        parser.error("--bank needs --device cuda")
-    providers = args.providers or DEFAULT_PROVIDERS[args.device]
+    if (args.bank or args.tuned) and args.device != "cuda":
+        parser.error("--bank and --tuned need --device cuda")
+    providers = args.providers or DEFAULT_PROVIDERS[args.device] + (TUNED if args.tuned else ())
     shapes = [(b, None) for b in sorted(args.sizes)] + [(args.bank_batch, r) for r in sorted(args.bank)]
 
     import torch
@@ -386,6 +420,11 @@ def main():
         torch.set_float32_matmul_precision("high")
     info = machine_info()
     info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    args.tuned_table, info["tuned"] = tuned_from(args.tuned, args.dtype) if args.tuned else (None, None)
+    if args.tuned_table is None and set(TUNED) & set(providers):
+        if not args.tuned:
+            parser.error("the triton-tuned providers need --tuned")
+        providers = [p for p in providers if p not in TUNED]  # (no winners for this dtype: info["tuned"] says so)
     print(f"machine: {info}", flush=True)
     rows, last = [], {}
     for batch, ref_rows in shapes:

@@ -12,8 +12,10 @@
 # backend and of the chunked triton backward, against the step's wall time and host time;
 # bench/host_time.py: the host's time of a triton step, three ways).
 # On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
-# too, about 4 minutes; TUNE_KINDS=backward skips the forward's), profile (Nsight Compute on one
-# float16 step of each fused backend at B = 16384).
+# too, about 4 minutes; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes;
+# a later bench step of the same DIR adds the triton-tuned providers, the sweep's winners at B = 16384,
+# so that "tune bench" sweeps and times them in one call), profile (Nsight Compute on one float16 step
+# of each fused backend at B = 16384).
 # Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero
 # when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
@@ -73,14 +75,16 @@ for step in $STEPS; do
       done
     done ;;
   tune)
-    run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} --out "$DIR/tune.json" ;;
+    run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} \
+      --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --out "$DIR/tune.json" ;;
   bench)
     for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
       providers=  # (IEEE float32 steps take 0.01-2.6 s: no CUDA-graph cells, whose point is the host's share)
       [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-chunked cuda pml"
       run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
         $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
-        --max-seconds 10 $providers --out "$DIR/bench-$dtype"
+        --max-seconds 10 $providers $([ -f "$DIR/tune.json" ] && echo --tuned "$DIR/tune.json") \
+        --out "$DIR/bench-$dtype"
     done ;;
   kernels)
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \

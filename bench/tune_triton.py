@@ -1,6 +1,7 @@
 """A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
 each candidate's forward (mining + log-sum-exp launches) and backward launches (the fused form's
-tiles, and the chunked form: config = [MiB of weights, weights tiles]) are timed separately
+tiles, and the chunked form: config = [MiB of weights, weights tiles]; the forward's also in the
+self case's warp-specialised form on Hopper) are timed separately
 (median of CUDA-event timings), and their result (stats, or the gradients) is compared with the shipped
 entry's, on the self case B = 16384, D = 512, for each dtype, and for the first dtype on the
 memory-bank shape 1024 x 262144 and on 2048 anchors against a gathered batch of 16384 that takes a
@@ -34,6 +35,12 @@ BACKWARD = {
 }
 
 
+# the self case's warp-specialised negatives pass (WARP_SPECIALIZE, Hopper): 4 warps a program, which
+# Triton makes 12 (a producer warpgroup and two consumers of 64 rows each)
+WARP_SPECIALIZED = [(128, 128, 64, 4, 3, True), (128, 64, 64, 4, 3, True), (128, 128, 64, 4, 4, True),
+                    (128, 128, 32, 4, 4, True)]
+
+
 class Chunked(NamedTuple):
     """The chunked backward (pair weights to memory, cuBLAS for the second product) at `mib` MiB of
     weights, its _weights_kernel on `tiles` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; None: the table's)."""
@@ -56,22 +63,47 @@ def tile_names(kind):
     return ("BLOCK_M", "BLOCK_N", "BLOCK_K") + (("BLOCK_D",) if kind == "backward" else ()) + ("num_warps", "num_stages")
 
 
-def override(kind, values):
-    """tile_config with `values` for the kernels of `kind` (the other kinds keep the shipped entry)."""
-    names = tile_names(kind)
+def override(kind, values, table=SHIPPED):
+    """`table` (default the shipped tile_config) with `values` for the kernels of `kind` (a forward
+    candidate's sixth value: WARP_SPECIALIZE)."""
+    names = tile_names(kind) + (("WARP_SPECIALIZE",) if kind == "forward" else ())
 
     def config(k, dtype, dim, interpret=False, capability=(9, 0)):
-        shipped = SHIPPED(k, dtype, dim, interpret, capability)
-        return dict(shipped, **dict(zip(names, values))) if k == kind else shipped
+        entry = table(k, dtype, dim, interpret, capability)
+        return dict(entry, **dict(zip(names, values))) if k == kind else entry
 
     return config
 
 
-def chunked(mib, tiles):
-    """tile_config with the chunked backward of `Chunked(mib, tiles)`."""
-    table = override("weights", tiles) if tiles else SHIPPED
+def chunked(mib, tiles, table=SHIPPED):
+    """`table` with the chunked backward of `Chunked(mib, tiles)`."""
+    table = override("weights", tiles, table) if tiles else table
     return lambda kind, *args, **kwargs: dict(table(kind, *args, **kwargs),
                                               **({"CHUNK_BYTES": mib << 20} if kind == "backward" else {}))
+
+
+def winners(records, dtype, shape=SHAPES[0][:2]):
+    """{kind: the fastest configuration} of a sweep's records (tune.json) for `dtype` at `shape` (default
+    the self case B = 16384, the targets' shape), among those whose result matched the shipped entry's;
+    a chunked backward comes back as a Chunked."""
+    best = {}
+    for r in records:
+        if (r["dtype"], r["batch"], r["ref"]) != (dtype, *shape) or not r.get("rel_diff", 1) < 1e-2:
+            continue  # (another case, or failed, or a result unlike the shipped entry's)
+        if r["kind"] not in best or r["ms"] < best[r["kind"]]["ms"]:
+            best[r["kind"]] = r
+    return {kind: Chunked(r["config"][0], r["config"][1] and tuple(r["config"][1])) if len(r["config"]) == 2
+            else tuple(r["config"]) for kind, r in best.items()}
+
+
+def tuned_table(found):
+    """tile_config with the `winners` applied: the forward's tiles, and the backward's fused tiles or
+    its chunked form (a fused winner keeps the shipped CHUNK_BYTES: run it with the budget at 0)."""
+    table = override("forward", found["forward"]) if "forward" in found else SHIPPED
+    backward = found.get("backward")
+    if isinstance(backward, Chunked):
+        return chunked(*backward, table)
+    return override("backward", backward, table) if backward else table
 
 
 def timed(launches, repeats=7):
@@ -119,11 +151,16 @@ def main():
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
                 if kind not in args.kinds:
                     continue
-                shipped = SHIPPED(kind, dtype, 512, False, torch.cuda.get_device_capability())
+                capability = torch.cuda.get_device_capability()
+                shipped = SHIPPED(kind, dtype, 512, False, capability)
                 first = tuple(shipped[n] for n in tile_names(kind))
                 candidates = [first] + [c for c in candidates if c != first]
+                if kind == "backward":
+                    extra = CHUNKED[group]
+                else:  # (the bank's forward has no warp-specialised form)
+                    extra = WARP_SPECIALIZED if group == "16-bit" and capability[0] == 9 and ref_rows is None else []
                 expected = None  # the shipped entry's result: every candidate must compute the same
-                for values in candidates[:args.candidates] + (CHUNKED[group] if kind == "backward" else []):
+                for values in candidates[:args.candidates] + extra:
                     tk.tile_config = chunked(*values) if isinstance(values, Chunked) else override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, ref_grad=ref_grad, kind=kind, config=values)
                     try:

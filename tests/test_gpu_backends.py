@@ -409,6 +409,62 @@ def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capa
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability()[0] != 9,
+                    reason="TMA descriptors and warp specialisation: a Hopper GPU")
+@pytest.mark.parametrize("mining", [True, False])
+@pytest.mark.parametrize("data", ["twin_classes", "above_base", "separated", "float16"])
+def test_the_warp_specialized_negatives_pass(monkeypatch, data, mining):
+    """The forward's WARP_SPECIALIZE (off in the shipped table until a GPU has timed it; swept by
+    bench/tune_triton.py): the self case's negatives pass as _negatives_ws_kernel on the Hopper tile
+    table, 4 warps, B = 300 (three row blocks of 128; under the interpreter three column splits),
+    against the float64 reference, and its statistics against the shipped pass's: the positive
+    ranges it leaves out and the identities it compares (twin classes, near-copies under another
+    label), the online rescale (negatives above base in every tile), the columns past the batch's
+    end, zeros from TMA, which a maxneg below 0 would show (separated classes), float16 tiles."""
+    kernels, names = triton_kernels.ms_loss, set()
+    shipped, plan = kernels.tile_config, kernels.forward_plan
+    hopper = lambda kind, dtype, dim, *_: shipped(kind, dtype, dim, False, (9, 0))  # noqa: E731
+
+    def warp_specialized(kind, dtype, dim, *_):
+        config = hopper(kind, dtype, dim)
+        return dict(config, WARP_SPECIALIZE=True, num_warps=4) if kind == "forward" else config
+
+    def spy(*args, **kwargs):
+        loss, stats, launches = plan(*args, **kwargs)
+        names.update(launch.kernel.fn.__name__ for launch in launches)
+        return loss, stats, launches
+
+    monkeypatch.setattr(kernels, "tile_config", warp_specialized)
+    monkeypatch.setattr(kernels, "forward_plan", spy)
+    dtype, rtol = torch.float32, 1e-4
+    if data == "twin_classes":
+        kwargs = twin_classes_case(300, 64, 30)
+    elif data == "separated":  # (test_saves_the_cpu_kernels_statistics)
+        labels = torch.arange(300) % 16
+        corners = F.pad(torch.eye(16) - 1 / 16, (0, 48))
+        x = corners[labels] + 0.005 * torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
+        kwargs = dict(embeddings=x, labels=labels, ids=torch.arange(300) * 7 % 301)
+    else:
+        kwargs = build_case("self_ids", 300, 64, torch.float64, seed=9)
+        if data == "above_base":  # (test_negatives_above_base_in_every_tile)
+            lean = F.normalize(torch.randn(64, generator=torch.Generator().manual_seed(2)), dim=0)
+            kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1) + 2.0 * lean
+        else:
+            dtype, rtol = torch.float16, TOLERANCE[torch.float16]
+    kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1).to(dtype)
+    check_against_reference("triton", kwargs, dtype, "none", device=DEVICE, rtol=rtol, normalize=False,
+                            mining=mining)
+    assert "_negatives_ws_kernel" in names and "_negatives_kernel" not in names
+    forward = torch.ops.ms_loss_cuda.triton_forward.default
+    on_device = to(kwargs, DEVICE)
+    args = (on_device["embeddings"], on_device["labels"], on_device["ids"], None, None, None, 2.0, 50.0, 0.5, 0.1,
+            mining, False)
+    stats = forward(*args)[1]
+    monkeypatch.setattr(kernels, "tile_config", hopper)
+    torch.testing.assert_close(stats, forward(*args)[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
 @pytest.mark.parametrize("beta", [0.0, -1.0, float("nan"), 1e-45])  # (1e-45: 0 in float32)
 def test_the_triton_ops_refuse_a_beta_that_is_not_positive(beta):
     # (the public API refuses it before; a direct call of the ops would sum exp(beta * -inf) = NaN)
