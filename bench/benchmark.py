@@ -157,12 +157,15 @@ def graphed(step):
 
 
 def tuned_from(path, dtype):
-    """(tile table, what it holds) from a sweep of bench/tune_triton.py for `dtype`; (None, why) when
-    the sweep has no winner for it."""
+    """(tile table, what it holds) from a sweep of bench/tune_triton.py for `dtype` ("float32-tf32": none
+    yet, the sweep runs IEEE float32); (None, why) when the sweep has no winner for it."""
     import tune_triton  # (bench/, this script's folder)
 
-    with open(path) as f:
-        found = tune_triton.winners(json.load(f), dtype)
+    try:
+        with open(path) as f:
+            found = tune_triton.winners(json.load(f), dtype)
+    except (OSError, ValueError) as error:
+        return None, f"{path} unreadable: {error}"
     if not found:
         return None, f"{path} has no winners for {dtype}"
     return tune_triton.tuned_table(found), {kind: repr(config) for kind, config in found.items()}
@@ -420,7 +423,8 @@ def main():
         torch.set_float32_matmul_precision("high")
     info = machine_info()
     info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
-    args.tuned_table, info["tuned"] = tuned_from(args.tuned, args.dtype) if args.tuned else (None, None)
+    tuned_dtype = args.dtype + ("-tf32" if args.tf32 else "")
+    args.tuned_table, info["tuned"] = tuned_from(args.tuned, tuned_dtype) if args.tuned else (None, None)
     if args.tuned_table is None and set(TUNED) & set(providers):
         if not args.tuned:
             parser.error("the triton-tuned providers need --tuned")

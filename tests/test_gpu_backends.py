@@ -411,23 +411,26 @@ def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capa
 @pytest.mark.skipif(**TRITON_MISSING)
 @pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability()[0] != 9,
                     reason="TMA descriptors and warp specialisation: a Hopper GPU")
-@pytest.mark.parametrize("mining", [True, False])
-@pytest.mark.parametrize("data", ["twin_classes", "above_base", "separated", "float16"])
+@pytest.mark.parametrize("data,mining", [("twin_classes", True), ("twin_classes", False), ("above_base", True),
+                                         ("separated", False), ("float16", True), ("bfloat16", False)])
 def test_the_warp_specialized_negatives_pass(monkeypatch, data, mining):
     """The forward's WARP_SPECIALIZE (off in the shipped table until a GPU has timed it; swept by
     bench/tune_triton.py): the self case's negatives pass as _negatives_ws_kernel on the Hopper tile
-    table, 4 warps, B = 300 (three row blocks of 128; under the interpreter three column splits),
-    against the float64 reference, and its statistics against the shipped pass's: the positive
-    ranges it leaves out and the identities it compares (twin classes, near-copies under another
-    label), the online rescale (negatives above base in every tile), the columns past the batch's
-    end, zeros from TMA, which a maxneg below 0 would show (separated classes), float16 tiles."""
+    table, B = 300 (three row blocks of 128; under the interpreter three column splits), against the
+    float64 reference, and its statistics against the shipped pass's: the positive ranges it leaves
+    out and the identities it compares (twin classes, near-copies under another label), the online
+    rescale (negatives above base in every tile), the columns past the batch's end, zeros from TMA,
+    which a maxneg below 0 would show (separated classes), 16-bit tiles (on a GPU the only ones that
+    Triton specialises; float32 tiles keep one warpgroup)."""
     kernels, names = triton_kernels.ms_loss, set()
     shipped, plan = kernels.tile_config, kernels.forward_plan
-    hopper = lambda kind, dtype, dim, *_: shipped(kind, dtype, dim, False, (9, 0))  # noqa: E731
+
+    def hopper(kind, dtype, dim, *_):  # (the interpreter's bfloat16 products need upcast tiles)
+        return dict(shipped(kind, dtype, dim, False, (9, 0)), UPCAST=kernels.INTERPRETED and dtype == torch.bfloat16)
 
     def warp_specialized(kind, dtype, dim, *_):
         config = hopper(kind, dtype, dim)
-        return dict(config, WARP_SPECIALIZE=True, num_warps=4) if kind == "forward" else config
+        return dict(config, WARP_SPECIALIZE=True) if kind == "forward" else config
 
     def spy(*args, **kwargs):
         loss, stats, launches = plan(*args, **kwargs)
@@ -450,7 +453,8 @@ def test_the_warp_specialized_negatives_pass(monkeypatch, data, mining):
             lean = F.normalize(torch.randn(64, generator=torch.Generator().manual_seed(2)), dim=0)
             kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1) + 2.0 * lean
         else:
-            dtype, rtol = torch.float16, TOLERANCE[torch.float16]
+            dtype = getattr(torch, data)
+            rtol = TOLERANCE[dtype]
     kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1).to(dtype)
     check_against_reference("triton", kwargs, dtype, "none", device=DEVICE, rtol=rtol, normalize=False,
                             mining=mining)
@@ -462,6 +466,26 @@ def test_the_warp_specialized_negatives_pass(monkeypatch, data, mining):
     stats = forward(*args)[1]
     monkeypatch.setattr(kernels, "tile_config", hopper)
     torch.testing.assert_close(stats, forward(*args)[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(triton_kernels is None, reason="Triton missing")
+def test_the_descriptors_scratch_comes_from_torch_unless_an_allocator_is_set():
+    """_negatives_ws_kernel's device-side TMA descriptors take scratch memory from the allocator of the
+    launching thread's context: torch's caching allocator where none is set, the caller's own kept."""
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    def after_planning(allocator=None):
+        if allocator is not None:
+            triton.set_allocator(allocator)
+        triton_kernels.ms_loss._use_torch_allocator()
+        return _allocation._allocator.get()
+
+    assert not isinstance(contextvars.Context().run(after_planning), _allocation.NullAllocator)
+    mine = lambda size, alignment, stream: None  # noqa: E731
+    assert contextvars.Context().run(after_planning, mine) is mine
 
 
 @pytest.mark.skipif(**TRITON_MISSING)

@@ -41,7 +41,7 @@ TF32_DIMS = (32, 130, 512)
 def warp_specialized(kind, *args, **kwargs):
     """The tile table with the forward's WARP_SPECIALIZE on (bench/tune_triton.py's candidates)."""
     config = SHIPPED_TABLE(kind, *args, **kwargs)
-    return dict(config, WARP_SPECIALIZE=True, num_warps=4) if kind == "forward" else config
+    return dict(config, WARP_SPECIALIZE=True) if kind == "forward" else config
 
 
 SHIPPED_TABLE = ms_loss.tile_config

@@ -374,10 +374,10 @@ def _negatives_ws_kernel(ordered_ptr, ids_ptr, ref_ids_ptr, row_order_ptr, range
     """_negatives_kernel's self case in the form Triton warp-specialises on Hopper (WARP_SPECIALIZE in
     tile_config): `ordered_ptr` holds the anchors in label order, where a block's rows are contiguous,
     so its rows and the column tiles come through TMA descriptors, and the column loop is
-    tl.range(warp_specialize=True). With 4 warps a program, Triton 3.6 and 3.9 compile it for sm_90 to
-    12 warps: a producer warpgroup for the loads and two consumer warpgroups of 64 rows each, so that
-    one's exponentials can overlap the other's products (what the 8-warp kernel, latency-bound at one
-    program per multiprocessor, lacks). Its partitioning takes no branch with an else, so every tile
+    tl.range(warp_specialize=True). With 4 warps a program (WS_WARPS), Triton 3.6 and 3.9 compile it
+    for sm_90 to 12 warps: a producer warpgroup for the loads and two consumer warpgroups of 64 rows
+    each, so that one's exponentials can overlap the other's products (what the 8-warp kernel,
+    latency-bound at one program per multiprocessor, lacks). Its partitioning takes no branch with an else, so every tile
     is masked, and identities the caller gave are compared on every tile where one is shared across
     labels. Same partials as _negatives_kernel."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)  # (the caller's indices: minpos, partials)
@@ -897,14 +897,15 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     about 1.4x its flops' time, still less than the S it saves; at 256 rows it would take 5.6x.
     Under the interpreter one block, so that the tests run it.
     The forward's WARP_SPECIALIZE: the self case's negatives pass as _negatives_ws_kernel (TMA loads,
-    a producer warpgroup beside two consumer warpgroups) where the capability is 9.x; off until a GPU
-    run has timed it (bench/tune_triton.py sweeps it for 16-bit tiles).
+    a producer warpgroup beside two consumer warpgroups, WS_WARPS) where the capability is 9.x, the
+    other forward launches on the entry's warps; off until a GPU run has timed it
+    (bench/tune_triton.py sweeps it for 16-bit tiles).
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
     and 9.0) by the tests.
     """
     precision = float32_precision() if dtype == torch.float32 else "tf32"  # (unused for 16-bit)
-    if kind == "weights":
-        config = tile_config("forward", dtype, dim, interpret, capability)
+    if kind == "weights":  # (the shipped forward entry, also where a tuned table stands in for this one)
+        config = _SHIPPED_TILE_CONFIG("forward", dtype, dim, interpret, capability)
         config.pop("WARP_SPECIALIZE")
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
@@ -938,6 +939,9 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
     return config
+
+
+_SHIPPED_TILE_CONFIG = tile_config
 
 
 def _use_torch_allocator():
@@ -1043,6 +1047,8 @@ def _capability(device):
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
+WS_WARPS = 4  # _negatives_ws_kernel's warps as asked of Triton, which adds a producer warpgroup and splits the
+# rows over two consumer warpgroups: 12 in all (asked for 8, Triton 3.6 and 3.9 do not specialise the loop)
 RANGE_PROGRAMS = 4  # the chunked backward's programs per row block for its positive range: the tiles of
 # a P x M batch's range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
@@ -1168,7 +1174,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                                 ref_ids_ptr=columns.get("ref_ids_ptr", a_ids), row_order_ptr=row_order,
                                 range_ptr=ranges, shared_ids_ptr=columns["shared_ids_ptr"], minpos_ptr=minpos,
                                 num_x=num_x, dim=dim),
-                           dict(config, MINING=mining, CHECK_IDS=check_ids), warps, stages)
+                           dict(config, MINING=mining, CHECK_IDS=check_ids), WS_WARPS, stages)
     else:
         negatives = Launch(_negatives_kernel, (row_programs, splits), dict(tensors, **columns, **pass_args),
                            dict(config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), warps, stages)
