@@ -212,9 +212,9 @@ def main():
     for name in args.dtypes:
         for shape in [shape[:2] for shape in SHAPES]:
             for kind, best in fastest(records, name, shape).items():
-                shipped = next(r for r in records if (r["dtype"], r["batch"], r["ref"], r["kind"]) == (name, *shape, kind))
-                print(f"{name:9} {str(shape):16} {kind:8} shipped {shipped.get('ms', float('nan')):.3f} ms "
-                      f"{shipped['config']} -> best {best['ms']:.3f} ms {best['config']} "
+                first = next(r for r in records if (r["dtype"], r["batch"], r["ref"], r["kind"]) == (name, *shape, kind))
+                print(f"{name:9} {str(shape):16} {kind:8} shipped {first.get('ms', float('nan')):.3f} ms "
+                      f"{first['config']} -> best {best['ms']:.3f} ms {best['config']} "
                       f"(relative difference {best['rel_diff']:.1e})")
 
 

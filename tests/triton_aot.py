@@ -21,8 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
-from ms_loss_cuda.triton_kernels import ms_loss
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, ms_loss
 from ms_loss_cuda.triton_kernels.ms_loss import Launch, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
@@ -38,13 +37,13 @@ DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")  # float32 under mat
 TF32_DIMS = (32, 130, 512)
 
 
+SHIPPED_TABLE = ms_loss.tile_config
+
+
 def warp_specialized(kind, *args, **kwargs):
     """The tile table with the forward's WARP_SPECIALIZE on (bench/tune_triton.py's candidates)."""
     config = SHIPPED_TABLE(kind, *args, **kwargs)
     return dict(config, WARP_SPECIALIZE=True) if kind == "forward" else config
-
-
-SHIPPED_TABLE = ms_loss.tile_config
 
 
 def launches(dtype_name, dim, mining, skip, cc):
@@ -76,10 +75,11 @@ def launches(dtype_name, dim, mining, skip, cc):
                 for ref_grad in (True, False):
                     chunked += backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper,
                                              ref_grad=ref_grad, interpret=False, capability=capability)[-1]
+        specialized = []
         if cc == 90 and dim == DIMS[-1] and dtype != torch.float32 and case == "self":
             with mock.patch.object(ms_loss, "tile_config", warp_specialized):
-                chunked += forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)[-1]
-        for launch in forward + backward + chunked:
+                specialized = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)[-1]
+        for launch in forward + backward + chunked + specialized:
             if not isinstance(launch, Launch):
                 continue
             c = launch.constexprs
