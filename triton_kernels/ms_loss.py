@@ -366,14 +366,15 @@ def _store_negatives(part_ptr, rows, row_ok, num_x, splits, maxneg, shift, total
 
 
 @triton.jit
-def _negatives_ws_kernel(ordered_ptr, ids_ptr, ref_ids_ptr, row_order_ptr, range_ptr, shared_ids_ptr, minpos_ptr,
-                         part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base, epsilon,
-                         MINING: tl.constexpr, CHECK_IDS: tl.constexpr,
+def _negatives_ws_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, range_ptr,
+                         shared_ids_ptr, minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base,
+                         epsilon, MINING: tl.constexpr, CHECK_IDS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """_negatives_kernel's self case in the form Triton warp-specialises on Hopper (WARP_SPECIALIZE in
-    tile_config): `ordered_ptr` holds the anchors in label order, where a block's rows are contiguous,
-    so its rows and the column tiles come through TMA descriptors, and the column loop is
+    tile_config), on _negatives_kernel's arguments (x_ptr, labels_ptr, ref_labels_ptr unused): `ref_ptr`
+    holds the anchors in label order, where a block's rows are contiguous, so its rows and the column
+    tiles come through TMA descriptors, and the column loop is
     tl.range(warp_specialize=True). With 4 warps a program (WS_WARPS), Triton 3.6 and 3.9 compile it
     for sm_90 to 12 warps: a producer warpgroup for the loads and two consumer warpgroups of 64 rows
     each, so that one's exponentials can overlap the other's products (what the 8-warp kernel,
@@ -382,8 +383,8 @@ def _negatives_ws_kernel(ordered_ptr, ids_ptr, ref_ids_ptr, row_order_ptr, range
     labels. Same partials as _negatives_kernel."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)  # (the caller's indices: minpos, partials)
     first = tl.program_id(0) * BLOCK_M
-    anchors = tl.make_tensor_descriptor(ordered_ptr, [num_x, dim], [dim, 1], [BLOCK_M, BLOCK_K])
-    columns = tl.make_tensor_descriptor(ordered_ptr, [num_ref, dim], [dim, 1], [BLOCK_N, BLOCK_K])
+    anchors = tl.make_tensor_descriptor(ref_ptr, [num_x, dim], [dim, 1], [BLOCK_M, BLOCK_K])
+    columns = tl.make_tensor_descriptor(ref_ptr, [num_ref, dim], [dim, 1], [BLOCK_N, BLOCK_K])
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
     maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
     shift = tl.zeros((BLOCK_M,), tl.float32)
@@ -1164,19 +1165,15 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
     # of 128 would be half empty), and _finish_kernel's two sums spill on 128 x 128 (sm_80, Triton 3.9)
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
-    pass_args = dict(part_ptr=partials, num_ref=b.shape[0], splits=splits, cols_per_split=cols_per_split,
-                     beta=beta, base=base, epsilon=epsilon)
+    pass_args = dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
+                     cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon)
     if warp_specialized:
         if x.is_cuda:
             _use_torch_allocator()
-        negatives = Launch(_negatives_ws_kernel, (row_programs, splits),
-                           dict(pass_args, ordered_ptr=columns["ref_ptr"], ids_ptr=a_ids,
-                                ref_ids_ptr=columns.get("ref_ids_ptr", a_ids), row_order_ptr=row_order,
-                                range_ptr=ranges, shared_ids_ptr=columns["shared_ids_ptr"], minpos_ptr=minpos,
-                                num_x=num_x, dim=dim),
+        negatives = Launch(_negatives_ws_kernel, (row_programs, splits), pass_args,
                            dict(config, MINING=mining, CHECK_IDS=check_ids), WS_WARPS, stages)
     else:
-        negatives = Launch(_negatives_kernel, (row_programs, splits), dict(tensors, **columns, **pass_args),
+        negatives = Launch(_negatives_kernel, (row_programs, splits), pass_args,
                            dict(config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), warps, stages)
     launches = [
         Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), dict(in_range, SEGMENTED=segmented),
