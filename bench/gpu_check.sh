@@ -84,14 +84,13 @@ for step in $STEPS; do
       --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} $([ $last_rc -eq 0 ] || echo --no-warp-specialize) \
       --out "$DIR/tune.json" ;;
   bench)
+    tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
     for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
       providers=  # (IEEE float32 steps take 0.01-2.6 s: no CUDA-graph cells, whose point is the host's share)
-      [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-chunked cuda pml \
-        $([ -f "$DIR/tune.json" ] && echo triton-tuned)"
+      [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-chunked cuda pml $tuned"
       run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
         $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
-        --max-seconds 10 $providers $([ -f "$DIR/tune.json" ] && echo --tuned "$DIR/tune.json") \
-        --out "$DIR/bench-$dtype"
+        --max-seconds 10 $providers ${tuned:+--tuned "$DIR/tune.json"} --out "$DIR/bench-$dtype"
     done ;;
   kernels)
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
