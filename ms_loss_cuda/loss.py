@@ -207,7 +207,8 @@ class _UnitRows(torch.autograd.Function):
     @staticmethod
     @ops.fixed_signature
     def forward(t):
-        return (t / _row_norms(t)).to(t.dtype)
+        y = t / _row_norms(t)
+        return y if y.dtype == t.dtype else y.to(t.dtype)  # (torch 2.11's compiled backward was 0 after a no-op .to)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
