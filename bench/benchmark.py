@@ -4,12 +4,12 @@ Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact me
 `matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
 four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
 `cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
-per step; CUDA only), `triton-chunked` and `triton-chunked-graph` (the same with the triton
-backend's chunked backward: pair weights to memory 64 MiB at a time, the second product by cuBLAS;
-not shipped until a GPU run has timed it), `triton-tuned` and `triton-tuned-graph` (with --tuned
-tune.json: the triton step on the winners of bench/tune_triton.py's sweep at B = 16384 for this dtype,
-forward tiles and backward form, so that one GPU call can sweep and time them beside the shipped
-entries), and `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
+per step; CUDA only; on a GPU its backward is the chunked one: pair weights to memory 256 MiB at a
+time, the second product by cuBLAS), `triton-fused` and `triton-fused-graph` (the same with the
+triton backend's fused backward, MS_LOSS_TRITON_CHUNK_MB=0), `triton-tuned` and
+`triton-tuned-graph` (with --tuned tune.json: the triton step on the winners of
+bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that
+one GPU call can sweep and time them beside the shipped entries), and `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
 over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),
@@ -39,14 +39,13 @@ import subprocess
 import sys
 import time
 
-TRITON = ("triton", "triton-graph", "triton-chunked", "triton-chunked-graph")
+TRITON = ("triton", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, "cuda", "pml")
 FUSED = ("cpu", *TRITON, *TUNED, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", "pml")}
 HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
-CHUNK_MB = "64"  # the chunked backward's budget of pair weights in the triton-chunked providers
 PER_CLASS = 4
 
 
@@ -96,18 +95,22 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
     step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
         x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
         backend="triton" if provider.startswith("triton") else provider).backward()
-    if provider.startswith("triton"):  # the fused backward, or the chunked one, whatever the environment says
-        step = with_chunk_budget(step, CHUNK_MB if provider == "triton-chunked" else "0")
+    if provider.startswith("triton"):  # the shipped backward, or the fused one (the tuned table names its own)
+        step = with_chunk_budget(step, None if provider == "triton" else "0")
         return with_tiles(step, tuned) if provider == "triton-tuned" else step
     return step
 
 
 def with_chunk_budget(step, mib):
-    """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward), set before
-    each call, as every triton provider does (one setenv: mock.patch.dict copied and restored the whole
-    environment, 77 us a step on this project's CPU machines, inside the timed host work)."""
+    """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward; None: unset,
+    the shipped default), set before each call, as every triton provider does (one setenv: mock.patch.dict
+    copied and restored the whole environment, 77 us a step on this project's CPU machines, inside the
+    timed host work)."""
     def run(x):
-        os.environ["MS_LOSS_TRITON_CHUNK_MB"] = mib
+        if mib is None:
+            os.environ.pop("MS_LOSS_TRITON_CHUNK_MB", None)
+        else:
+            os.environ["MS_LOSS_TRITON_CHUNK_MB"] = mib
         step(x)
 
     return run

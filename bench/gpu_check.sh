@@ -8,12 +8,11 @@
 # backend's fused and chunked backward both), bench (bench/benchmark.py for float16, bfloat16 and
 # float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and 1024 x 1048576,
 # D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32", the last float32 under
-# TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of each fused
-# backend and of the chunked triton backward, against the step's wall time and host time;
+# TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend,
+# of the same with its fused backward and of the cuda backend, against the step's wall time and host time;
 # bench/host_time.py: the host's time of a triton step, three ways).
 # On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
-# too, about 4 minutes, after the warp-specialised forward's tests, whose failure leaves it out of the
-# sweep; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes;
+# too, about 1.5 minutes a dtype; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes;
 # a later bench step of the same DIR adds the triton-tuned providers, the sweep's winners at B = 16384,
 # so that "tune bench" sweeps and times them in one call), profile (Nsight Compute on one float16 step
 # of each fused backend at B = 16384).
@@ -46,7 +45,6 @@ run_step() {  # name, time limit (s), command...: log to DIR/name.log, one line 
   shift 2
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
   local rc=$?
-  last_rc=$rc
   [ $rc -eq 0 ] || failed=1
   echo "$name: exit $rc, $((SECONDS - start)) s" | tee -a "$DIR/summary.txt"
   tail -n 4 "$DIR/$name.log"
@@ -77,24 +75,20 @@ for step in $STEPS; do
       done
     done ;;
   tune)
-    # the warp-specialised forward has never run on a GPU: its tests first, in a process of their own, so
-    # that a fault or a hang of it cannot take the sweep with it (which then leaves it out)
-    run_step tune-warp-specialized 180 $PY -m pytest -x -q tests/test_gpu_backends.py -k warp_specialized
     run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} \
-      --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} $([ $last_rc -eq 0 ] || echo --no-warp-specialize) \
-      --out "$DIR/tune.json" ;;
+      --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --out "$DIR/tune.json" ;;
   bench)
     tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
     for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
       providers=  # (IEEE float32 steps take 0.01-2.6 s: no CUDA-graph cells, whose point is the host's share)
-      [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-chunked cuda pml $tuned"
+      [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-fused cuda pml $tuned"
       run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
         $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
         --max-seconds 10 $providers ${tuned:+--tuned "$DIR/tune.json"} --out "$DIR/bench-$dtype"
     done ;;
   kernels)
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
-      --providers triton triton-chunked cuda
+      --providers triton triton-fused cuda
     run_step host-time 300 $PY bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512 \
       --steps 50 --rounds 3 --out "$DIR/host-time.txt" ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute

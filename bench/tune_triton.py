@@ -1,7 +1,6 @@
 """A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
 each candidate's forward (mining + log-sum-exp launches) and backward launches (the fused form's
-tiles, and the chunked form: config = [MiB of weights, weights tiles]; the forward's also in the
-self case's warp-specialised form on Hopper) are timed separately
+tiles, and the chunked form: config = [MiB of weights, weights tiles]) are timed separately
 (median of CUDA-event timings), and their result (stats, or the gradients) is compared with the shipped
 entry's, on the self case B = 16384, D = 512, for each dtype, and for the first dtype on the
 memory-bank shape 1024 x 262144 and on 2048 anchors against a gathered batch of 16384 that takes a
@@ -36,12 +35,6 @@ BACKWARD = {
 }
 
 
-# the self case's warp-specialised negatives pass (WARP_SPECIALIZE, Hopper; its own warps, ms_loss.WS_WARPS:
-# 12 in all), the forward's other launches on the warps given
-WARP_SPECIALIZED = [(128, 128, 64, 8, 3, True), (128, 64, 64, 8, 3, True), (128, 128, 64, 8, 4, True),
-                    (128, 128, 32, 8, 4, True)]
-
-
 class Chunked(NamedTuple):
     """The chunked backward (pair weights to memory, cuBLAS for the second product) at `mib` MiB of
     weights, its _weights_kernel on `tiles` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; None: the table's)."""
@@ -66,13 +59,14 @@ def tile_names(kind):
 
 
 def override(kind, values, table=SHIPPED):
-    """`table` (default the shipped tile_config) with `values` for the kernels of `kind` (a forward
-    candidate's sixth value: WARP_SPECIALIZE)."""
-    names = tile_names(kind) + (("WARP_SPECIALIZE",) if kind == "forward" else ())
+    """`table` (default the shipped tile_config) with `values` for the kernels of `kind` (backward
+    values: the fused backward's tiles, so CHUNK_BYTES 0, where a GPU's default is the chunked form)."""
+    names = tile_names(kind)
+    fused = {"CHUNK_BYTES": 0} if kind == "backward" else {}
 
     def config(k, dtype, dim, interpret=False, capability=(9, 0)):
         entry = table(k, dtype, dim, interpret, capability)
-        return dict(entry, **dict(zip(names, values))) if k == kind else entry
+        return dict(entry, **dict(zip(names, values)), **fused) if k == kind else entry
 
     return config
 
@@ -105,7 +99,7 @@ def winners(records, dtype, shape=SHAPES[0][:2]):
 
 def tuned_table(found):
     """tile_config with the `winners` applied: the forward's tiles, and the backward's fused tiles or
-    its chunked form (a fused winner keeps the shipped CHUNK_BYTES: run it with the budget at 0)."""
+    its chunked form (a fused winner: CHUNK_BYTES 0, `override`)."""
     table = override("forward", found["forward"]) if "forward" in found else SHIPPED
     backward = found.get("backward")
     if isinstance(backward, Chunked):
@@ -159,8 +153,6 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
     parser.add_argument("--kinds", nargs="+", default=["forward", "backward"], choices=("forward", "backward"))
     parser.add_argument("--candidates", type=int, default=8, help="the first N of each list")
-    parser.add_argument("--no-warp-specialize", action="store_true",
-                        help="leave out the warp-specialised forward (gpu_check.sh: when its tests failed here)")
     args = parser.parse_args()
     hyper = (2.0, 50.0, 0.5, 0.1, True, False)
     records = []
@@ -172,17 +164,11 @@ def main():
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
                 if kind not in args.kinds:
                     continue
-                capability = torch.cuda.get_device_capability()
-                shipped = SHIPPED(kind, dtype, 512, False, capability)
+                shipped = SHIPPED(kind, dtype, 512, False, torch.cuda.get_device_capability())
                 first = tuple(shipped[n] for n in tile_names(kind))
                 candidates = [first] + [c for c in candidates if c != first]
-                if kind == "backward":
-                    extra = CHUNKED[group]
-                else:  # (the bank's forward has no warp-specialised form)
-                    extra = (WARP_SPECIALIZED if group == "16-bit" and capability[0] == 9 and ref_rows is None
-                             and not args.no_warp_specialize else [])
                 expected = None  # the shipped entry's result: every candidate must compute the same
-                for values in candidates[:args.candidates] + extra:
+                for values in candidates[:args.candidates] + (CHUNKED[group] if kind == "backward" else []):
                     tk.tile_config = chunked(*values) if isinstance(values, Chunked) else override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, ref_grad=ref_grad, kind=kind, config=values)
                     try:

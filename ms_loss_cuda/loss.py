@@ -294,7 +294,8 @@ def multi_similarity_loss(
     theirs): every similarity, exponent and sum is float32 (float64 for float64 inputs) and only the
     result is cast (a float16 "sum" above 65504 is inf, its gradient still finite and exact).
     `backend`: "auto" (or $MS_LOSS_BACKEND), "reference", "cpu", "triton" or "cuda";
-    $MS_LOSS_TRITON_CHUNK_MB opts "triton" into its chunked backward (experimental, see the README).
+    on a GPU "triton" takes its chunked backward with 256 MiB of pair weights at a time;
+    $MS_LOSS_TRITON_CHUNK_MB sets that budget (MiB; 0: the fused backward, no buffer; see the README).
     """
     return _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, None,
                  dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,

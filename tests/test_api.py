@@ -225,9 +225,9 @@ def test_unit_rows_second_derivatives_and_vmap():
 def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatch):
     """create_graph=True gives the exact first derivative; differentiating it again raises (the
     kernels' backward has no derivative), where it silently left the kernels' share out.
-    triton_chunked: the triton backend's chunked backward (its cuBLAS products under grad mode)."""
-    if backend == "triton_chunked":
-        monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")
+    triton: its fused backward; triton_chunked: its chunked one (the cuBLAS products under grad mode)."""
+    if backend.startswith("triton"):
+        monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6" if backend == "triton_chunked" else "0")
         backend = "triton"
     x, labels = make_batch(37, 16, 5, dtype=torch.float32)
     ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)

@@ -12,6 +12,12 @@ H100 = 132
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float32-tf32": torch.float32}
 
 
+@pytest.fixture(autouse=True)
+def fused_backward_unless_named(monkeypatch):
+    """The fused backward (a GPU's default is the chunked one), unless a test sets its own budget."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")
+
+
 def _cost(batch, dim, dtype_name, ref_rows=None, mining=True, ref_grad=True, per_class=4, with_plan=False):
     """plan_cost of a P x M batch (per_class samples a class) against itself or a memory bank of
     ref_rows rows drawn from the same and other classes (and the backward's launches)."""
@@ -197,13 +203,16 @@ def test_float16_keeps_the_fused_backward_under_float16_accumulation(monkeypatch
     assert ("_weights_kernel" in names) == chunked and ("_grad_kernel" in names) != chunked
 
 
-@pytest.mark.parametrize("text,expected", [(None, 0), ("", 0), ("0", 0), ("64", 64 * MIB), ("0.5", MIB // 2),
-                                           ("1e-6", 1)])
+@pytest.mark.parametrize("text,expected", [(None, 256 * MIB), ("", 256 * MIB), ("0", 0), ("64", 64 * MIB),
+                                           ("0.5", MIB // 2), ("1e-6", 1)])
 def test_the_chunk_budget_comes_from_the_environment(monkeypatch, text, expected):
+    """Unset, a GPU gets the chunked backward at 256 MiB (the sweep's winner), the interpreter the fused one."""
+    monkeypatch.delenv("MS_LOSS_TRITON_CHUNK_MB", raising=False)
     if text is not None:
         monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", text)
-    assert triton_kernels.ms_loss.chunk_budget() == expected
+    assert triton_kernels.ms_loss.chunk_budget(interpret=False) == expected
     assert triton_kernels.tile_config("backward", torch.float16, 512, interpret=False)["CHUNK_BYTES"] == expected
+    assert triton_kernels.ms_loss.chunk_budget(interpret=True) == (expected if text else 0)
 
 
 @pytest.mark.parametrize("text", ["-1", "nan", "inf", "lots"])

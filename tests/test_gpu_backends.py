@@ -78,11 +78,11 @@ TRITON_MISSING = dict(condition=triton_kernels is None or (DEVICE == "cpu" and n
         reason="needs the built extension (its autograd path) and ninja to build the emulation")),
 ])
 def target(request, monkeypatch):
-    """triton_chunked: the triton backend with the chunked backward (weights to memory, cuBLAS for the
-    second product) at a budget of one tile row or column per chunk, so that every case runs several."""
-    if request.param == "triton_chunked":
-        monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
+    """triton: the triton backend with its fused backward; triton_chunked: with the chunked backward
+    (weights to memory, cuBLAS for the second product; a GPU's default) at a budget of one tile row or
+    column per chunk, so that every case runs several."""
     if request.param.startswith("triton"):
+        monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6" if request.param == "triton_chunked" else "0")
         return Target(request.param, "triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
                       torch.ops.ms_loss_cuda.triton_backward.default, request.param == "triton_chunked")
     if request.param == "cuda":
@@ -406,86 +406,6 @@ def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capa
             kwargs[key] = F.normalize(kwargs[key], dim=1).to(dtype)
     check_against_reference("triton", kwargs, dtype, "none", device=DEVICE, rtol=TOLERANCE[dtype],
                             ref_grad=case != "memory_bank", normalize=False)
-
-
-@pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability()[0] != 9,
-                    reason="TMA descriptors and warp specialisation: a Hopper GPU")
-@pytest.mark.parametrize("data,mining", [("twin_classes", True), ("twin_classes", False), ("above_base", True),
-                                         ("separated", False), ("float16", True), ("bfloat16", False)])
-def test_the_warp_specialized_negatives_pass(monkeypatch, data, mining):
-    """The forward's WARP_SPECIALIZE (off in the shipped table until a GPU has timed it; swept by
-    bench/tune_triton.py): the self case's negatives pass as _negatives_ws_kernel on the Hopper tile
-    table, B = 300 (three row blocks of 128; under the interpreter three column splits), against the
-    float64 reference, and its statistics against the shipped pass's: the positive ranges it leaves
-    out and the identities it compares (twin classes, near-copies under another label), the online
-    rescale (negatives above base in every tile), the columns past the batch's end, zeros from TMA,
-    which a maxneg below 0 would show (separated classes), 16-bit tiles (on a GPU the only ones that
-    Triton specialises; float32 tiles keep one warpgroup)."""
-    kernels, names = triton_kernels.ms_loss, set()
-    shipped, plan = kernels.tile_config, kernels.forward_plan
-
-    def hopper(kind, dtype, dim, *_):  # (the interpreter's bfloat16 products need upcast tiles)
-        return dict(shipped(kind, dtype, dim, False, (9, 0)), UPCAST=kernels.INTERPRETED and dtype == torch.bfloat16)
-
-    def warp_specialized(kind, dtype, dim, *_):
-        config = hopper(kind, dtype, dim)
-        return dict(config, WARP_SPECIALIZE=True) if kind == "forward" else config
-
-    def spy(*args, **kwargs):
-        loss, stats, launches = plan(*args, **kwargs)
-        names.update(launch.kernel.fn.__name__ for launch in launches)
-        return loss, stats, launches
-
-    monkeypatch.setattr(kernels, "tile_config", warp_specialized)
-    monkeypatch.setattr(kernels, "forward_plan", spy)
-    dtype, rtol = torch.float32, 1e-4
-    if data == "twin_classes":
-        kwargs = twin_classes_case(300, 64, 30)
-    elif data == "separated":  # (test_saves_the_cpu_kernels_statistics)
-        labels = torch.arange(300) % 16
-        corners = F.pad(torch.eye(16) - 1 / 16, (0, 48))
-        x = corners[labels] + 0.005 * torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
-        kwargs = dict(embeddings=x, labels=labels, ids=torch.arange(300) * 7 % 301)
-    else:
-        kwargs = build_case("self_ids", 300, 64, torch.float64, seed=9)
-        if data == "above_base":  # (test_negatives_above_base_in_every_tile)
-            lean = F.normalize(torch.randn(64, generator=torch.Generator().manual_seed(2)), dim=0)
-            kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1) + 2.0 * lean
-        else:
-            dtype = getattr(torch, data)
-            rtol = TOLERANCE[dtype]
-    kwargs["embeddings"] = F.normalize(kwargs["embeddings"], dim=1).to(dtype)
-    check_against_reference("triton", kwargs, dtype, "none", device=DEVICE, rtol=rtol, normalize=False,
-                            mining=mining)
-    assert "_negatives_ws_kernel" in names and "_negatives_kernel" not in names
-    forward = torch.ops.ms_loss_cuda.triton_forward.default
-    on_device = to(kwargs, DEVICE)
-    args = (on_device["embeddings"], on_device["labels"], on_device["ids"], None, None, None, 2.0, 50.0, 0.5, 0.1,
-            mining, False)
-    stats = forward(*args)[1]
-    monkeypatch.setattr(kernels, "tile_config", hopper)
-    torch.testing.assert_close(stats, forward(*args)[1], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.skipif(triton_kernels is None, reason="Triton missing")
-def test_the_descriptors_scratch_comes_from_torch_unless_an_allocator_is_set():
-    """_negatives_ws_kernel's device-side TMA descriptors take scratch memory from the allocator of the
-    launching thread's context: torch's caching allocator where none is set, the caller's own kept."""
-    import contextvars
-
-    import triton
-    from triton.runtime import _allocation
-
-    def after_planning(allocator=None):
-        if allocator is not None:
-            triton.set_allocator(allocator)
-        triton_kernels.ms_loss._use_torch_allocator()
-        return _allocation._allocator.get()
-
-    assert not isinstance(contextvars.Context().run(after_planning), _allocation.NullAllocator)
-    mine = lambda size, alignment, stream: None  # noqa: E731
-    assert contextvars.Context().run(after_planning, mine) is mine
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
@@ -813,7 +733,9 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     label-ordered copy of the anchors that its negatives kernel reads and 13 to put its backward in
     label order: a sort, the ranges, four gathers; 69 and 77 before the row kernels took the place of
     torch's normalisation, 4 ops forward and 10 backward; the kernels are stubbed out: this counts the
-    host's work only)."""
+    host's work only). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS
+    products and buffers)."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")
     launched = []
     monkeypatch.setattr(triton_kernels.ms_loss.Launch, "__call__", lambda launch: launched.append(launch.kernel))
     x, labels = make_batch(97, 128, 12, dtype=torch.float16)

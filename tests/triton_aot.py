@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, ms_loss
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
 from ms_loss_cuda.triton_kernels.ms_loss import Launch, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
@@ -37,20 +37,10 @@ DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")  # float32 under mat
 TF32_DIMS = (32, 130, 512)
 
 
-SHIPPED_TABLE = ms_loss.tile_config
-
-
-def warp_specialized(kind, *args, **kwargs):
-    """The tile table with the forward's WARP_SPECIALIZE on (bench/tune_triton.py's candidates)."""
-    config = SHIPPED_TABLE(kind, *args, **kwargs)
-    return dict(config, WARP_SPECIALIZE=True) if kind == "forward" else config
-
-
 def launches(dtype_name, dim, mining, skip, cc):
     """The dispatcher's launches (GPU configurations of compute capability cc) for the self and the
     reference-set case, with the fused and the chunked backward (its cuBLAS products left out), and
-    the normalisation's row kernels; on sm_90 at D = 512 in 16-bit, also the self case's
-    warp-specialised negatives pass (not in the shipped table: a candidate of the tune sweep)."""
+    the normalisation's row kernels."""
     torch.set_float32_matmul_precision("high" if dtype_name.endswith("-tf32") else "highest")
     dtype = getattr(torch, dtype_name.split("-")[0])
     x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
@@ -67,19 +57,16 @@ def launches(dtype_name, dim, mining, skip, cc):
     for case, i, r, rl in cases:
         capability = divmod(cc, 10)
         _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
-        *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,
-                                     capability=capability)
+        with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB="0"):  # the fused backward (a GPU's default: chunked)
+            *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,
+                                         capability=capability)
         chunked = []
         for mib in ("64", "16"):  # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
             with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
                 for ref_grad in (True, False):
                     chunked += backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper,
                                              ref_grad=ref_grad, interpret=False, capability=capability)[-1]
-        specialized = []
-        if cc == 90 and dim == DIMS[-1] and dtype != torch.float32 and case == "self":
-            with mock.patch.object(ms_loss, "tile_config", warp_specialized):
-                specialized = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)[-1]
-        for launch in forward + backward + chunked + specialized:
+        for launch in forward + backward + chunked:
             if not isinstance(launch, Launch):
                 continue
             c = launch.constexprs
@@ -131,8 +118,7 @@ def compile_record(job):
     return dict(dtype=dtype_name, dim=dim, mining=mining, skip=skip, kernel=name, cc=cc,
                 config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
                 wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tcgen05="tcgen05.mma" in ptx,
-                tf32=".tf32" in ptx, tma="cp.async.bulk.tensor" in ptx, warps=compiled.metadata.num_warps,
-                shared=compiled.metadata.shared,
+                tf32=".tf32" in ptx, shared=compiled.metadata.shared,
                 registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
                 spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
 

@@ -12,8 +12,7 @@ over all columns:
   it reads the anchors in label order and skips the block's positive range, so every column it
   sees is a negative of the whole block and its tiles carry no labels (SKIP_RANGE: 128 registers
   for 128 x 64 tiles under Triton 3.6, two programs per multiprocessor, where classifying each
-  pair took 179); on Hopper also as `_negatives_ws_kernel` (TMA loads, warp-specialised; off
-  until a GPU has timed it);
+  pair took 179);
 - `_finish_kernel`: the splits combined in a fixed order, then S over the positive range again for
   the sum over the mined positives (their mining needs the final maxneg) and, in the self case,
   the range's own negatives (their hardest from _minpos_kernel) -> loss and stats [4, B] =
@@ -26,7 +25,7 @@ over all columns:
   grad_output permuted), so a tile beside its row block's positive range holds negatives only and
   takes its weights with no labels and one FMA and exp2 per pair and end (LABEL_ORDER,
   `_negative_weights`); the gradient's rows go back to the caller's order as they are stored.
-- the chunked backward (opt-in: $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`): `_weights_kernel` writes
+- the chunked backward (a GPU's default; $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`): `_weights_kernel` writes
   H (lifted, in the input dtype) for a chunk into a buffer within that budget reused by every chunk,
   and cuBLAS makes the second product (`Product`: float32 sums and result), so the 512-wide
   accumulator that holds _grad_kernel to one 8-warp program per multiprocessor goes to cuBLAS.
@@ -46,22 +45,15 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified: on an H100, this build (torch 2.11, triton 3.6; bench/gpu_check.sh, 2026-11-22): the
-parity suite against the float64 reference on CUDA tensors (TF32 too), compute-sanitizer memcheck
-and racecheck (synccheck on the previous build), timings in bench/results/gpu/. The sm_80 entries of
-the tile table have only been compiled. Came after those runs, so interpreted and compiled only:
-the sync-free positive lists (`positive_ranges`, `_positive_columns`; part of the test suite ran
-them on the H100), the self case's unsegmented list, `_anchor_stats` (one stats loader for two
-kernels), the strided grad_output of `_scales_kernel`, the eager path that skips the custom
-ops' dispatch (ms_loss_cuda/ops.py), the self case's negatives pass over label-ordered columns
-(SKIP_RANGE), its backward in label order (LABEL_ORDER, RANGE_TILES), the normalisation's row
-kernels, the warp-specialised negatives pass (_negatives_ws_kernel, a tune candidate, not the
-default); and the chunked backward,
-which is not the default until a GPU run has timed it (bench/tune_triton.py and the benchmark's
-triton-chunked providers do; its torch.mm(out_dtype=float32) has only run as its CPU stand-in). Without a GPU: the same suite under
-TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
-its own), and the PTX/ptxas facts of every shipped configuration and of the chunked backward's
-kernel compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
+Verified: on an H100, this build (torch 2.11, triton 3.6; bench/gpu_check.sh, 2026-11-25): the
+parity suite against the float64 reference on CUDA tensors (TF32 too; the fused and the chunked
+backward each as a target), compute-sanitizer memcheck and synccheck on both backwards (racecheck
+clean on the 2026-11-22 build), timings in bench/results/gpu/: the chunked backward 2.0-3.8x faster
+than the fused one, so a GPU's default. The sm_80 entries of the tile table have only been
+compiled. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
+(tests/test_gpu_backends.py, the chunked backward as a target of its own), and the PTX/ptxas facts
+of every shipped configuration and of the chunked backward's kernel compiled ahead of time for
+sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
 import os
@@ -335,84 +327,21 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
         else:
             s, _, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
                                         cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        # (with the unmasked tiles above: 1256 SASS instructions for the 128 x 128 tile where masking every
-        # tile and tl.exp took 1832, sm_90, Triton 3.6)
-        maxneg, shift, total = _online_negatives(s, negative, minpos, maxneg, shift, total, slope, offset, epsilon,
-                                                 MINING)
-    _store_negatives(part_ptr, rows, row_ok, num_x, splits, maxneg, shift, total)
-
-
-@triton.jit
-def _online_negatives(s, negative, minpos, maxneg, shift, total, slope, offset, epsilon, MINING: tl.constexpr):
-    """One tile of the negatives' pass: (maxneg, shift, total) updated with the tile's negatives (s where
-    `negative`, -inf marking the rest). Base-2 exponents beta (S - base) log2(e) with the shift folded in
-    (slope, offset): one FMA and one exp2 (ex2.approx.ftz) a pair, where tl.exp took a multiply and a
-    fix-up for subnormals besides; terms below 2^-126 of the shift flush to 0. (beta > 0: -inf outside
-    the mined negatives, adding nothing.)"""
-    s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
-    maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
-    new_shift = tl.maximum(shift, tl.max(mined, axis=1) * slope - offset)
-    total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(mined * slope - (new_shift + offset)[:, None]), axis=1)
-    return maxneg, new_shift, total
-
-
-@triton.jit
-def _store_negatives(part_ptr, rows, row_ok, num_x, splits, maxneg, shift, total):
-    """This split's partials [3, splits, B]: maxneg, shift (natural log again), sum."""
+        s, mined = _mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
+        maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
+        # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
+        # (ex2.approx.ftz) a pair, where tl.exp took a multiply and a fix-up for subnormals besides; terms
+        # below 2^-126 of the shift flush to 0. (beta > 0: -inf outside the mined negatives, adding nothing.)
+        # With the unmasked tiles above: 1256 SASS instructions for the 128 x 128 tile where masking
+        # every tile and tl.exp took 1832 (sm_90, Triton 3.6)
+        new_shift = tl.maximum(shift, tl.max(mined, axis=1) * slope - offset)
+        total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(mined * slope - (new_shift + offset)[:, None]),
+                                                             axis=1)
+        shift = new_shift
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
-    tl.store(part_ptr + (splits + split) * num_x + rows, shift * LN2, mask=row_ok)
+    tl.store(part_ptr + (splits + split) * num_x + rows, shift * LN2, mask=row_ok)  # (natural log again)
     tl.store(part_ptr + (2 * splits + split) * num_x + rows, total, mask=row_ok)
-
-
-@triton.jit
-def _negatives_ws_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, range_ptr,
-                         shared_ids_ptr, minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base,
-                         epsilon, MINING: tl.constexpr, CHECK_IDS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """_negatives_kernel's self case in the form Triton warp-specialises on Hopper (WARP_SPECIALIZE in
-    tile_config), on _negatives_kernel's arguments (x_ptr, labels_ptr, ref_labels_ptr unused): `ref_ptr`
-    holds the anchors in label order, where a block's rows are contiguous, so its rows and the column
-    tiles come through TMA descriptors, and the column loop is
-    tl.range(warp_specialize=True). With 4 warps a program (WS_WARPS), Triton 3.6 and 3.9 compile it
-    for sm_90 to 12 warps: a producer warpgroup for the loads and two consumer warpgroups of 64 rows
-    each, so that one's exponentials can overlap the other's products (what the 8-warp kernel,
-    latency-bound at one program per multiprocessor, lacks). Its partitioning takes no branch with an else, so every tile
-    is masked, and identities the caller gave are compared on every tile where one is shared across
-    labels. Same partials as _negatives_kernel."""
-    rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)  # (the caller's indices: minpos, partials)
-    first = tl.program_id(0) * BLOCK_M
-    anchors = tl.make_tensor_descriptor(ref_ptr, [num_x, dim], [dim, 1], [BLOCK_M, BLOCK_K])
-    columns = tl.make_tensor_descriptor(ref_ptr, [num_ref, dim], [dim, 1], [BLOCK_N, BLOCK_K])
-    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
-    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
-    shift = tl.zeros((BLOCK_M,), tl.float32)
-    total = tl.zeros((BLOCK_M,), tl.float32)
-    slope, offset = beta * LOG2E, beta * base * LOG2E
-    skip_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
-    skip_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
-    if CHECK_IDS:
-        id_i = tl.load(ids_ptr + rows, mask=row_ok, other=-1)
-        ids_apart = tl.load(shared_ids_ptr) == 0
-    begin, end = _column_range(num_ref, cols_per_split, 1)
-    for start in tl.range(begin, end, BLOCK_N, warp_specialize=True):
-        s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, dim, BLOCK_K):
-            a = anchors.load([first, k])
-            b = columns.load([start, k])
-            if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            s = tl.dot(a, b.T, s, input_precision=PRECISION)
-        cols = start + tl.arange(0, BLOCK_N)
-        negative = ((cols < end) & ((cols < skip_begin) | (cols >= skip_end)))[None, :]
-        if CHECK_IDS:
-            id_j = tl.load(ref_ids_ptr + cols, mask=cols < end, other=-1)
-            negative = negative & ((id_i[:, None] != id_j[None, :]) | ids_apart)
-        maxneg, shift, total = _online_negatives(s, negative, minpos, maxneg, shift, total, slope, offset, epsilon,
-                                                 MINING)
-    _store_negatives(part_ptr, rows, row_ok, num_x, splits, maxneg, shift, total)
 
 
 @triton.jit
@@ -882,8 +811,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     Rows are padded to a multiple of 16 elements first (`_operands`): unaligned rows spill.
     The interpreter gets few, larger tiles: its cost is per tile op.
     The backward entry's CHUNK_BYTES picks its form: 0, the fused _grad_kernel; else the chunked
-    form at that budget of pair weights (`backward_plan`). It is not timed on a GPU yet, so it is
-    opt-in: $MS_LOSS_TRITON_CHUNK_MB (`chunk_budget`).
+    form at that budget of pair weights (`backward_plan`): $MS_LOSS_TRITON_CHUNK_MB, 256 MiB on a GPU
+    when unset (`chunk_budget`).
     The weights kernel takes the forward's tiles, but 128 x 64 with K steps of 32 and 4 stages in
     16-bit: with the anchor statistics of both ends, 128 x 128 spills on sm_90 (84 bytes with Triton
     3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 127 registers with 3.6
@@ -897,17 +826,12 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     H100 needs about 300 to keep its tensor cores busy. So at 1024 rows the second product takes
     about 1.4x its flops' time, still less than the S it saves; at 256 rows it would take 5.6x.
     Under the interpreter one block, so that the tests run it.
-    The forward's WARP_SPECIALIZE: the self case's negatives pass as _negatives_ws_kernel (TMA loads,
-    a producer warpgroup beside two consumer warpgroups, WS_WARPS) where the capability is 9.x, the
-    other forward launches on the entry's warps; off until a GPU run has timed it
-    (bench/tune_triton.py sweeps it for 16-bit tiles).
     Every configuration this returns for a GPU is compiled for sm_80 and sm_90 (with capability 8.0
     and 9.0) by the tests.
     """
     precision = float32_precision() if dtype == torch.float32 else "tf32"  # (unused for 16-bit)
     if kind == "weights":  # (the shipped forward entry, also where a tuned table stands in for this one)
         config = _SHIPPED_TILE_CONFIG("forward", dtype, dim, interpret, capability)
-        config.pop("WARP_SPECIALIZE")
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
         config["TRIANGLE_ROWS"] = config["BLOCK_M"] if interpret else 1024
@@ -932,11 +856,10 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     config["BLOCK_K"] = min(config["BLOCK_K"], padded & -padded)
     if kind == "forward":
         config.pop("BLOCK_D", None)
-        config["WARP_SPECIALIZE"] = False
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], _pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
-        config["CHUNK_BYTES"] = chunk_budget()
+        config["CHUNK_BYTES"] = chunk_budget(interpret)
     config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
     return config
@@ -945,22 +868,19 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
 _SHIPPED_TILE_CONFIG = tile_config
 
 
-def _use_torch_allocator():
-    """Device-side TMA descriptors (_negatives_ws_kernel) take a little global memory per launch, which
-    Triton asks the allocator of the launching thread for (a context variable): torch's caching
-    allocator on the current device and stream, unless one is set already."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+DEFAULT_CHUNK_MIB = 256  # the chunked backward's budget where $MS_LOSS_TRITON_CHUNK_MB is unset, on a GPU
 
 
-def chunk_budget():
+def chunk_budget(interpret=INTERPRETED):
     """The chunked backward's budget of pair weights in bytes: $MS_LOSS_TRITON_CHUNK_MB (MiB, a
-    fraction allowed), 0 when unset, which keeps the fused backward (the default until a GPU run has
-    timed the chunked one). float16 keeps the fused backward under
+    fraction allowed; 0: the fused backward). Unset: DEFAULT_CHUNK_MIB on a GPU, where the sweep
+    (bench/tune_triton.py, H100, float16, 2026-11-25) timed the chunked form 2.5-3.2x faster than the
+    fused one (1.46 against 3.69 ms at B = 16384; 1.89 against 6.02 ms for 1024 x 262144), and 0 under
+    the interpreter, whose tests name the form they run. float16 keeps the fused backward under
     torch.backends.cuda.matmul.allow_fp16_accumulation, where cuBLAS refuses float32 results."""
-    text = os.environ.get("MS_LOSS_TRITON_CHUNK_MB", "0") or "0"
+    text = os.environ.get("MS_LOSS_TRITON_CHUNK_MB", "")
+    if not text:
+        return 0 if interpret else DEFAULT_CHUNK_MIB << 20
     try:
         mib = float(text)
     except ValueError:
@@ -1048,8 +968,6 @@ def _capability(device):
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
-WS_WARPS = 4  # _negatives_ws_kernel's warps as asked of Triton, which adds a producer warpgroup and splits the
-# rows over two consumer warpgroups: 12 in all (asked for 8, Triton 3.6 and 3.9 do not specialise the loop)
 RANGE_PROGRAMS = 4  # the chunked backward's programs per row block for its positive range: the tiles of
 # a P x M batch's range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
@@ -1140,7 +1058,6 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability))
-    warp_specialized = config.pop("WARP_SPECIALIZE") and ref is None and capability[0] == 9
     row_programs = _cdiv(num_x, config["BLOCK_M"])
     row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"],
                                                                               ref is None)
@@ -1165,20 +1082,14 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
     # of 128 would be half empty), and _finish_kernel's two sums spill on 128 x 128 (sm_80, Triton 3.9)
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
-    pass_args = dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
-                     cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon)
-    if warp_specialized:
-        if x.is_cuda:
-            _use_torch_allocator()
-        negatives = Launch(_negatives_ws_kernel, (row_programs, splits), pass_args,
-                           dict(config, MINING=mining, CHECK_IDS=check_ids), WS_WARPS, stages)
-    else:
-        negatives = Launch(_negatives_kernel, (row_programs, splits), pass_args,
-                           dict(config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), warps, stages)
     launches = [
         Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), dict(in_range, SEGMENTED=segmented),
                warps, stages),
-        negatives,
+        Launch(_negatives_kernel, (row_programs, splits),
+               dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
+                    cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon),
+               dict(config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), warps,
+               stages),
         Launch(_finish_kernel, (row_programs,),
                dict(tensors, **positives, part_ptr=partials, stats_ptr=stats, loss_ptr=loss, splits=splits,
                     alpha=alpha, beta=beta, base=base, epsilon=epsilon),
