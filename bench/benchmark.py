@@ -96,7 +96,7 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
         x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
         backend="triton" if provider.startswith("triton") else provider).backward()
     if provider.startswith("triton"):  # the shipped backward, or the fused one (the tuned table names its own)
-        step = with_chunk_budget(step, None if provider == "triton" else "0")
+        step = with_chunk_budget(step, "0" if provider == "triton-fused" else None)
         return with_tiles(step, tuned) if provider == "triton-tuned" else step
     return step
 
