@@ -9,7 +9,8 @@ time, the second product by cuBLAS), `triton-fused` and `triton-fused-graph` (th
 triton backend's fused backward, MS_LOSS_TRITON_CHUNK_MB=0), `triton-tuned` and
 `triton-tuned-graph` (with --tuned tune.json: the triton step on the winners of
 bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that
-one GPU call can sweep and time them beside the shipped entries), and `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
+one GPU call can sweep and time them beside the shipped entries), and `pml`
+(pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
 The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
 noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
 over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),
