@@ -5,6 +5,7 @@ instructions in the PTX, what `ptxas -v` reports and the shared memory a program
 tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
 interpreted tests) replaces the jit functions this needs.  Usage: python tests/triton_aot.py
 """
+import functools
 import json
 import multiprocessing
 import os
@@ -100,9 +101,22 @@ def signature(launch):
     return sig, attrs
 
 
-def compile_record(job):
+@functools.lru_cache(maxsize=1)  # (the jobs of one group arrive together: chunks of pool.map)
+def group_launches(dtype_name, dim, mining, skip, cc):
+    return launches(dtype_name, dim, mining, skip, cc)
+
+
+def compile_key(launch, cc):
+    """What triton.compile sees of a launch: launches with equal keys compile to the same binary."""
+    sig, attrs = signature(launch)
+    return json.dumps([launch.kernel.fn.__name__, sig, sorted(map(str, attrs)), launch.constexprs, launch.num_warps,
+                       launch.num_stages, cc], sort_keys=True, default=str)
+
+
+def compile_facts(job):
+    """The compiled launch `job` names: tensor-core instructions, shared memory and ptxas's report."""
     dtype_name, dim, mining, skip, name, cc = job
-    launch = launches(dtype_name, dim, mining, skip, cc)[name]
+    launch = group_launches(dtype_name, dim, mining, skip, cc)[name]
     sig, attrs = signature(launch)
     compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
                               target=GPUTarget("cuda", cc, 32),
@@ -115,15 +129,18 @@ def compile_record(job):
         log = subprocess.run([get_ptxas(cc).path, "-v", f"-arch={TARGETS[cc]}", path, "-o", path + ".cubin"],
                              capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
-    return dict(dtype=dtype_name, dim=dim, mining=mining, skip=skip, kernel=name, cc=cc,
-                config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
+    return dict(config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
                 wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tcgen05="tcgen05.mma" in ptx,
                 tf32=".tf32" in ptx, shared=compiled.metadata.shared,
                 registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
                 spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
 
 
+JOB_FIELDS = ("dtype", "dim", "mining", "skip", "kernel", "cc")
+
+
 def jobs():
+    """(job, compile key) for every launch of every group (dtype, D, mining options, target)."""
     for dtype in DTYPES:
         for dim in TF32_DIMS if dtype.endswith("-tf32") else DIMS:
             variants = [(True, False)] + ([(False, True)] if dim == DIMS[-1] else [])
@@ -131,16 +148,23 @@ def jobs():
                 for cc in TARGETS:
                     if cc in BLACKWELL and (dtype not in ("float16", "float32") or dim != DIMS[-1] or not mining):
                         continue
-                    for name in launches(dtype, dim, mining, skip, cc):
+                    for name, launch in group_launches(dtype, dim, mining, skip, cc).items():
                         if name == "_minpos_kernel" and not mining:
                             continue  # it has no mining option
-                        yield dtype, dim, mining, skip, name, cc
+                        yield (dtype, dim, mining, skip, name, cc), compile_key(launch, cc)
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: ahead-of-time compilation needs the jit functions")
+    # one compile per distinct launch (about two thirds of the jobs: the D values share many), its
+    # facts recorded for every job that makes it
+    groups = {}
+    for job, key in jobs():
+        groups.setdefault(key, []).append(job)
     # spawn, not fork: a forked copy of a process that holds torch's thread pools can deadlock
     with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
-        for record in pool.map(compile_record, list(jobs())):
-            print(json.dumps(record), flush=True)
+        for same, facts in zip(groups.values(), pool.map(compile_facts, [same[0] for same in groups.values()],
+                                                         chunksize=8)):
+            for job in same:
+                print(json.dumps(dict(zip(JOB_FIELDS, job), **facts)), flush=True)
