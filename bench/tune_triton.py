@@ -108,8 +108,15 @@ def tuned_table(found):
 
 
 def difference(result, expected):
-    """max |result - expected| / max |expected|: one wrong row shows, where a norm would hide it."""
-    return float((result - expected).abs().max() / expected.abs().max())
+    """max |result - expected| / max |expected| over the finite entries: one wrong row shows, where a
+    norm would hide it. The infinite entries (the statistics of an anchor without a positive or a
+    negative) must be the same; a NaN, or an infinity where the other has none, gives inf."""
+    finite = torch.isfinite(expected)
+    if not torch.equal(torch.isfinite(result), finite) or not torch.equal(result[~finite], expected[~finite]):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return float((result - expected)[finite].abs().max() / expected[finite].abs().max().clamp_min(1e-30))
 
 
 def save(records, path):
