@@ -4,16 +4,18 @@ alternating: the shipped eager path (`eager`: a plain autograd.Function, the nor
 kernels), the same with torch's normalisation ops (`eager-torch-norm`: what eager steps ran before
 the row kernels), and the custom ops that torch.compile traces, with torch's normalisation
 (`custom-ops`: what every eager step went through before that). Median of --steps steps per round;
-the spread over --rounds rounds.
---device cpu (default, no GPU needed): CPU tensors under the Triton interpreter with the kernel
-launches stubbed out, so the torch ops run on small CPU tensors instead of launching: a stand-in
-for a GPU host's work. --device cuda: the real step, launches included.
+the spread over --rounds rounds. Each result counts the step's Triton launches and cuBLAS products.
+--device cpu (default, no GPU needed): a stand-in for a GPU host's work. The GPU's launch plans
+(an H100's tiles, 132 multiprocessors, the chunked backward) are made for CPU tensors, and each
+launch goes through Triton's own launch path (argument binding, specialisation, cache lookup)
+down to the driver call, which a stand-in driver drops (--launches launcher; each kernel is
+compiled for sm_90 on its first launch), or is dropped whole (--launches stubbed). torch's ops and
+the products run on small CPU tensors. --device cuda: the real step, launches included.
     python bench/host_time.py --out bench/results/cpu/host-time.txt
     python bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512
 """
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -30,6 +32,49 @@ def host_time(step, x, steps, synchronize):
     return statistics.median(times)
 
 
+def without_driver_calls():
+    """Triton's launches on CPU tensors, from the JIT function's argument binding to the compiled
+    kernel's launcher, whose driver call is dropped: a stand-in driver (device 0, stream 0, an
+    H100's target) for Triton 3.6-3.9. The real launcher's own C work (the pointers read, the
+    driver's launch: a few us) is left out."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import CompiledKernel
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(Driver())
+    CompiledKernel._init_handles = lambda kernel: setattr(kernel, "_run", kernel._run or (lambda *args: None))
+
+
+def count_launches(kernels):
+    """{"launches": Triton launches, "launch_s": their time, "products": cuBLAS products} issued so
+    far (counting wrappers)."""
+    counts = {"launches": 0, "launch_s": 0.0, "products": 0}
+    launch, product = kernels.Launch.__call__, kernels.Product.__call__
+
+    def counted_launch(self):
+        start = time.perf_counter()
+        launch(self)
+        counts["launches"] += 1
+        counts["launch_s"] += time.perf_counter() - start
+
+    def counted_product(self):
+        counts["products"] += 1
+        product(self)
+
+    kernels.Launch.__call__, kernels.Product.__call__ = counted_launch, counted_product
+    return counts
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=128)
@@ -38,10 +83,10 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--launches", default="launcher", choices=("launcher", "stubbed"),
+                        help="--device cpu: Triton's launch path down to the driver call, or none of it")
     parser.add_argument("--out")
     args = parser.parse_args()
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: CPU tensors are taken
     import torch
     from benchmark import HARDNESS, machine_info, make_inputs, step_function
     from ms_loss_cuda import loss, ops, triton_kernels
@@ -50,11 +95,19 @@ def main():
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
         torch.set_num_threads(1)  # the host's work is one thread's
-        triton_ms_loss.Launch.__call__ = lambda launch: None
+        triton_kernels.INTERPRETED = True  # (read by the loss's device check only: the plans stay the GPU's)
+        # no products either: on CPU they would compute, on the launches' unwritten (garbage, often
+        # subnormal) weights, where a GPU's host only issues two ops
+        triton_ms_loss.Product.__call__ = lambda product: None
+        if args.launches == "stubbed":
+            triton_ms_loss.Launch.__call__ = lambda launch: None
+        else:
+            without_driver_calls()
+    launched = count_launches(triton_ms_loss)
     shipped = (ops._traced, triton_kernels.unit_rows)
     paths = {"eager": shipped, "eager-torch-norm": (ops._traced, loss.unit_rows),
              "custom-ops": (lambda: True, triton_kernels.unit_rows)}  # (traced: torch's normalisation)
-    results = {}
+    results, counts = {}, {}
     for case, ref_rows in (("self", None), ("memory bank", args.ref_rows)):
         x, labels, ref, ref_labels = make_inputs(args.batch, args.dim, HARDNESS["typical"], ref_rows, args.device)
         x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
@@ -66,8 +119,13 @@ def main():
                 rounds[path].append(host_time(step, x, args.steps, synchronize))
         ops._traced, triton_kernels.unit_rows = shipped
         results[case] = {path: [round(t * 1e3, 3) for t in times] for path, times in rounds.items()}
-    stubbed = ", launches stubbed" if args.device == "cpu" else ""
-    lines = [f"host time of one eager triton step on {args.device}{stubbed}, float16, P x 4 batches of typical "
+        launched.update(launches=0, launch_s=0.0, products=0)
+        host_time(step, x, args.steps, synchronize)
+        counts[case] = {key: value / args.steps for key, value in launched.items()}
+    how = {"cuda": "", "stubbed": ", GPU plans, launches stubbed",
+           "launcher": ", GPU plans, launches through Triton's launch path, no driver calls"}
+    lines = [f"host time of one eager triton step on {args.device}{how[args.device if args.device == 'cuda' else args.launches]}, "
+             "float16, P x 4 batches of typical "
              f"hardness (bench/benchmark.py), B = {args.batch}, "
              f"R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms, median of {args.steps} steps, "
              f"{args.rounds} alternating rounds"]
@@ -75,6 +133,9 @@ def main():
         for path, times in by_path.items():
             lines.append(f"  {case:12s} {path:16s} median {statistics.median(times):.3f}  "
                          f"range {min(times):.3f}-{max(times):.3f}")
+        lines.append(f"  {case:12s} a step: {counts[case]['launches']:.0f} Triton launches "
+                     f"({counts[case]['launch_s'] * 1e3:.3f} ms of the eager step), "
+                     f"{counts[case]['products']:.0f} cuBLAS products")
     lines.append("machine: " + json.dumps(machine_info()))
     print("\n".join(lines))
     if args.out:
