@@ -9,8 +9,8 @@ the spread over --rounds rounds. Each result counts the step's Triton launches a
 (an H100's tiles, 132 multiprocessors, the chunked backward) are made for CPU tensors, and each
 launch goes through Triton's own launch path (argument binding, specialisation, cache lookup)
 down to the driver call, which a stand-in driver drops (--launches launcher; each kernel is
-compiled for sm_90 on its first launch), or is dropped whole (--launches stubbed). torch's ops and
-the products run on small CPU tensors. --device cuda: the real step, launches included.
+compiled for sm_90 on its first launch), or is dropped whole (--launches stubbed). torch's ops run
+on small CPU tensors; the cuBLAS products are left out. --device cuda: the real step, launches included.
     python bench/host_time.py --out bench/results/cpu/host-time.txt
     python bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512
 """
@@ -124,8 +124,8 @@ def main():
         counts[case] = {key: value / args.steps for key, value in launched.items()}
     how = {"cuda": "", "stubbed": ", GPU plans, launches stubbed",
            "launcher": ", GPU plans, launches through Triton's launch path, no driver calls"}
-    lines = [f"host time of one eager triton step on {args.device}{how[args.device if args.device == 'cuda' else args.launches]}, "
-             "float16, P x 4 batches of typical "
+    mode = "cuda" if args.device == "cuda" else args.launches
+    lines = [f"host time of one eager triton step on {args.device}{how[mode]}, float16, P x 4 batches of typical "
              f"hardness (bench/benchmark.py), B = {args.batch}, "
              f"R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms, median of {args.steps} steps, "
              f"{args.rounds} alternating rounds"]
