@@ -1003,7 +1003,6 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
         row_order = row_order.to(torch.int32)
         return row_order, row_order, None, None, ranges
     row_sorted, row_order = torch.sort(row_keys, stable=True)
-    starts, lasts = _block_ends(row_keys.shape[0], block_m, row_keys.device)
     row_order = row_order.to(torch.int32)
     col_sorted, col_order = torch.sort(col_keys, stable=True)
     lo = torch.searchsorted(col_sorted, row_sorted)
@@ -1013,15 +1012,16 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
     first[1:].logical_or_(row_sorted[1:] != row_sorted[:-1])
     lengths = (hi - lo) * first
     segment_end = torch.cumsum(lengths, 0)
-    column_shift = lo - (segment_end - lengths)
-    ranges = torch.stack([segment_end[starts] - lengths[starts], segment_end[lasts]], 1)
-    return row_order, col_order.to(torch.int32), segment_end, column_shift, ranges
+    segment_start = segment_end - lengths
+    ranges = torch.stack([segment_start[::block_m], _block_lasts(segment_end, block_m)], 1)
+    return row_order, col_order.to(torch.int32), segment_end, lo - segment_start, ranges
 
 
-def _block_ends(rows, block_m, device):
-    """The first and the last row of each block of block_m rows."""
-    starts = torch.arange(0, rows, block_m, device=device)
-    return starts, torch.clamp(starts + (block_m - 1), max=max(rows - 1, 0))
+def _block_lasts(t, block_m):
+    """The last entry of each block of block_m entries of `t` (t[::block_m] are the firsts): a view,
+    and one copy when the last block is partial (no gather: fewer launches a step)."""
+    lasts = t[block_m - 1::block_m]
+    return torch.cat([lasts, t[-1:]]) if t.shape[0] % block_m else lasts
 
 
 def _label_order(keys, block_m):
@@ -1030,9 +1030,9 @@ def _label_order(keys, block_m):
     slots ranges[k, 0] .. ranges[k, 1] of the same order, and every other column is a negative of all
     of its rows."""
     keys, order = torch.sort(keys, stable=True)
-    starts, lasts = _block_ends(keys.shape[0], block_m, keys.device)
-    return keys, order, torch.stack([torch.searchsorted(keys, keys[starts]),
-                                     torch.searchsorted(keys, keys[lasts], right=True)], 1)
+    ends = torch.stack([keys[::block_m], _block_lasts(keys, block_m)])  # (rows searchsorted reads without a copy)
+    return keys, order, torch.stack([torch.searchsorted(keys, ends[0]),
+                                     torch.searchsorted(keys, ends[1], right=True)], 1)
 
 
 def _shared_identities(ids, labels):
