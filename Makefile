@@ -29,8 +29,9 @@ $(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.cpp csrc
 
 build: $(VENV)/.built
 
+# One pytest-xdist worker a core; each compile check's module stays on one worker (loadgroup).
 test: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadgroup tests
 
 demo: build
 	$(PY) bench/benchmark.py --sizes 1024 2048 4096 --out bench/results/demo

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
 ARCHS = ("sm_80", "sm_90")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+# (one pytest-xdist worker runs the module: its compile is a module fixture)
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc not found"), pytest.mark.xdist_group("cuda_compile")]
 
 
 def nvcc_command(source, output):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.xdist_group("triton_compile")  # (one pytest-xdist worker: its compile is a module fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
