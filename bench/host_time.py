@@ -55,6 +55,25 @@ def without_driver_calls():
     CompiledKernel._init_handles = lambda kernel: setattr(kernel, "_run", kernel._run or (lambda *args: None))
 
 
+def cpu_stand_in(kernels, launches):
+    """The GPU's step on CPU tensors (`kernels`: the triton backend's ms_loss module): its launch plans
+    as they are; each launch through Triton's launch path (launches="launcher") or dropped whole
+    ("stubbed"); the cuBLAS products left out."""
+    import sys
+
+    import torch
+
+    torch.set_num_threads(1)  # the host's work is one thread's
+    sys.modules["ms_loss_cuda.triton_kernels"].INTERPRETED = True  # (read by the loss's device check only)
+    # no products either: on CPU they would compute, on the launches' unwritten (garbage, often
+    # subnormal) weights, where a GPU's host only issues two ops
+    kernels.Product.__call__ = lambda product: None
+    if launches == "stubbed":
+        kernels.Launch.__call__ = lambda launch: None
+    else:
+        without_driver_calls()
+
+
 def count_launches(kernels):
     """{"launches": Triton launches, "launch_s": their time, "products": cuBLAS products} issued so
     far (counting wrappers)."""
@@ -94,15 +113,7 @@ def main():
 
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
-        torch.set_num_threads(1)  # the host's work is one thread's
-        triton_kernels.INTERPRETED = True  # (read by the loss's device check only: the plans stay the GPU's)
-        # no products either: on CPU they would compute, on the launches' unwritten (garbage, often
-        # subnormal) weights, where a GPU's host only issues two ops
-        triton_ms_loss.Product.__call__ = lambda product: None
-        if args.launches == "stubbed":
-            triton_ms_loss.Launch.__call__ = lambda launch: None
-        else:
-            without_driver_calls()
+        cpu_stand_in(triton_ms_loss, args.launches)
     launched = count_launches(triton_ms_loss)
     shipped = (ops._traced, triton_kernels.unit_rows)
     paths = {"eager": shipped, "eager-torch-norm": (ops._traced, loss.unit_rows),

@@ -57,7 +57,7 @@ def _triangle_size(batch):
 def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, saved_rows=None):
     """Fake kernels and autograd for a (forward, backward) pair of ops with the schemas of
     csrc/ms_loss_schema.h: forward(x, labels, ids?, ref?, ref_labels?, ref_ids?, *hyper) -> (loss [B],
-    stats [4 (+ saved_rows(B, R, element size) on CPU tensors), B]); backward(grad_loss, stats, x, ...,
+    stats [4 + saved_rows(x, ref), B]: what the backward reuses); backward(grad_loss, stats, x, ...,
     *hyper, ref_grad) -> (grad_x, grad_ref or empty [0]). Autograd asks for grad_ref only when ref
     requires a gradient (a memory bank does not).
     Returns the differentiable forward: the op where the call is traced (`_traced`); in eager mode
@@ -68,12 +68,8 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
-        batch = x.shape[0]
-        dtype = _compute_dtype(x)
-        extra = 0
-        if saved_rows is not None and x.device.type == "cpu":
-            extra = saved_rows(batch, batch if ref is None else ref.shape[0], 8 if dtype == torch.float64 else 4,
-                               ref is None)
+        batch, dtype = x.shape[0], _compute_dtype(x)
+        extra = 0 if saved_rows is None else saved_rows(x, ref)
         return x.new_empty((batch,), dtype=dtype), x.new_empty((4 + extra, batch), dtype=dtype)
 
     @torch.library.register_fake(backward_name)
@@ -110,8 +106,12 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
                                     setup_context=keep_for_backward)
 
     class Eager(torch.autograd.Function):
-        forward = staticmethod(fixed_signature(lambda *inputs: forward_impl(*inputs)))
-        setup_context = staticmethod(keep_for_backward)
+        @staticmethod
+        def forward(ctx, *inputs):  # (with ctx: apply binds no signature, as it does for a separate setup_context)
+            output = forward_impl(*inputs)
+            keep_for_backward(ctx, inputs, output)
+            return output
+
         backward = staticmethod(gradient_through(backward_impl))
 
     def fused_forward(*inputs):
@@ -158,5 +158,7 @@ def _op(qualified_name):
 if LOAD_ERROR is None:
     forward_op = torch.ops.ms_loss_cuda.ms_loss_forward.default
     backward_op = torch.ops.ms_loss_cuda.ms_loss_backward.default
-    fused_forward = register_fused_op("ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward",
-                                      forward_op, backward_op, saved_rows=cpu_saved_rows)
+    fused_forward = register_fused_op(
+        "ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward", forward_op, backward_op,
+        saved_rows=lambda x, ref: 0 if x.device.type != "cpu" else cpu_saved_rows(
+            x.shape[0], x.shape[0] if ref is None else ref.shape[0], _compute_dtype(x).itemsize, ref is None))

@@ -382,8 +382,28 @@ def test_saves_the_cpu_kernels_statistics(target, case):
     on_device = [a.to(target.device) if isinstance(a, torch.Tensor) else a for a in args]
     _, stats = target.forward(x.to(target.device), *on_device)
     _, cpu_stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, *args)  # (then the pair weights it keeps)
-    assert stats.shape == (4, x.shape[0])
-    torch.testing.assert_close(stats.cpu(), cpu_stats[:4], rtol=1e-5, atol=1e-6)
+    saved = 2 if target.backend == "triton" and ref is None else 0  # (then its label order, checked below)
+    assert stats.shape == (4 + saved, x.shape[0])
+    torch.testing.assert_close(stats[:4].cpu(), cpu_stats[:4], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("labels_dtype", [torch.int64, torch.int32, torch.uint8])
+def test_the_triton_self_case_keeps_its_label_order_for_the_backward(labels_dtype):
+    """The self case's forward sorts the labels once and keeps the order and the sorted labels' ranks
+    in its stats' last two rows (int32 bits), which the backward reads instead of sorting again."""
+    x, labels = make_batch(97, 16, 9, dtype=torch.float32)
+    labels = (labels * 37 + 5).to(labels_dtype)  # (not their own ranks)
+    x, labels = F.normalize(x, dim=1).to(DEVICE), labels.to(DEVICE)
+    _, stats = torch.ops.ms_loss_cuda.triton_forward(x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True,
+                                                     False)
+    order, ranks = (row.cpu().long() for row in triton_kernels.ms_loss.saved_label_order(stats))
+    assert torch.equal(order, torch.sort(labels.cpu(), stable=True).indices)
+    sorted_labels = labels.cpu().long()[order]
+    assert torch.equal(ranks, torch.searchsorted(sorted_labels, sorted_labels))  # equal exactly where labels are
+    with pytest.raises(ValueError, match="stats must be the triton forward's"):
+        torch.ops.ms_loss_cuda.triton_backward(torch.ones(97, device=DEVICE), stats[:4], x, labels, None, None, None,
+                                               None, 2.0, 50.0, 0.5, 0.1, True, False)
 
 
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
@@ -723,7 +743,7 @@ def test_the_triton_normalisation_matches_torchs(dtype, shape):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 52), ("memory_bank", 3, 58)])
+@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 40), ("memory_bank", 3, 55)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizing, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
@@ -733,8 +753,10 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     label-ordered copy of the anchors that its negatives kernel reads and 13 to put its backward in
     label order: a sort, the ranges, four gathers; 69 and 77 before the row kernels took the place of
     torch's normalisation, 4 ops forward and 10 backward; 58 and 64 before the blocks' first and last
-    keys came from views instead of gathers; the kernels are stubbed out: this counts the host's work
-    only). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS
+    keys came from views instead of gathers; 52 and 58 before the self case sorted its labels once
+    for both ops (the backward reads the order from the forward's stats), found its blocks' ranges
+    from the sorted ranks and the finiteness check added the extremes times 0; the kernels are
+    stubbed out: this counts the host's work only). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS
     products and buffers)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")
     launched = []

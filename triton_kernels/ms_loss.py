@@ -21,8 +21,9 @@ over all columns:
   accumulates H_IJ @ b_J[:, d-block]. Self case: H_IJ = G_IJ + G_JI^T from the stats at both ends of
   each pair; reference case: dx with anchors on the rows, dref with the anchors on the columns.
   Split partials are summed afterwards in a fixed order: no atomic additions, the same bits on every run.
-- The self case's backward runs in label order (`_label_order`: the anchors, their keys, stats and
-  grad_output permuted), so a tile beside its row block's positive range holds negatives only and
+- The self case's backward runs in the forward's label order, which the forward's stats keep
+  (`_label_order`, `saved_label_order`: the anchors, stats and grad_output permuted, no second sort),
+  so a tile beside its row block's positive range holds negatives only and
   takes its weights with no labels and one FMA and exp2 per pair and end (LABEL_ORDER,
   `_negative_weights`); the gradient's rows go back to the caller's order as they are stored.
 - the chunked backward (a GPU's default; $MS_LOSS_TRITON_CHUNK_MB, `chunk_budget`): `_weights_kernel` writes
@@ -68,8 +69,8 @@ from ..loss import _check_inputs, squares_dtype
 
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-INF = tl.constexpr(float("inf"))  # a global a jit function may read
-LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
+# The kernels read no global constants (their infinities and logs are literals): Triton compares each
+# global a kernel reads with its value at compile time on every launch, about 5 us a global.
 FLOAT32_TINY = 2.0 ** -126
 
 
@@ -95,17 +96,17 @@ def _mined_sets(s, positive, negative, minpos, maxneg, epsilon, MINING: tl.const
 def _mined_negatives(s, negative, minpos, epsilon, MINING: tl.constexpr):
     """(the similarities of the negatives, -inf elsewhere; of the mined ones, -inf elsewhere): one
     float32 tile carries both the value and the set, where a mask beside S would hold registers."""
-    s = tl.where(negative, s, -INF)
+    s = tl.where(negative, s, -float("inf"))
     if MINING:
-        return s, tl.where(s + epsilon > minpos, s, -INF)
+        return s, tl.where(s + epsilon > minpos, s, -float("inf"))
     return s, s
 
 
 @triton.jit
 def _set_flags(minpos, maxneg, epsilon, MINING: tl.constexpr):
     """Whether P_i and N_i are non-empty: decided by the anchor's hardest pairs alone."""
-    has_positive = minpos < INF
-    has_negative = maxneg > -INF
+    has_positive = minpos < float("inf")
+    has_negative = maxneg > -float("inf")
     if MINING:
         has_positive = has_positive & (minpos - epsilon < maxneg)
         has_negative = has_negative & (maxneg + epsilon > minpos)
@@ -152,7 +153,7 @@ def _scaled_weights(s, positive, negative, minpos, maxneg, lp, ln, scale, alpha,
 @triton.jit
 def _negative_offset(ln, beta, base):
     """An anchor's (LN + beta base) log2(e), for `_negative_weights`."""
-    return (ln + beta * base) * LOG2E
+    return (ln + beta * base) * 1.4426950408889634  # log2(e)
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def _negative_weights(s, minpos, offset, scale, beta, epsilon, MINING: tl.conste
     pair does not count; the anchors' terms as [M, 1] columns or [1, N] rows): exp(beta (S - base) - LN)
     in base 2, one FMA and one exp2 a pair (offset: `_negative_offset`), where the negative is mined.
     Exponents are <= 0 there, as LN >= beta (maxneg - base) (`_shifts`)."""
-    w = scale * tl.exp2(s * (beta * LOG2E) - offset)
+    w = scale * tl.exp2(s * (beta * 1.4426950408889634) - offset)  # (log2(e))
     if MINING:
         w = tl.where(s + epsilon > minpos, w, 0.0)
     return w
@@ -265,15 +266,15 @@ def _minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     hardest negative among those columns: minpos [2, B]."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
-    minpos = tl.full((BLOCK_M,), INF, tl.float32)
-    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
+    minpos = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         s, positive, negative = _positive_range_tile(
             x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
             label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, INF), axis=1))
-        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -INF), axis=1))
+        minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, float("inf")), axis=1))
+        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -float("inf")), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
     tl.store(minpos_ptr + num_x + rows, maxneg, mask=row_ok)
 
@@ -299,11 +300,11 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
     distinct samples never has. Otherwise pairs are classified by their labels and identities."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
-    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
-    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
+    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
+    maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     shift = tl.zeros((BLOCK_M,), tl.float32)  # >= 0: the 1 in log(1 + sum) never overflows either
     total = tl.zeros((BLOCK_M,), tl.float32)
-    slope, offset = beta * LOG2E, beta * base * LOG2E
+    slope, offset = beta * 1.4426950408889634, beta * base * 1.4426950408889634  # (log2(e))
     if SKIP_RANGE:
         skip_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
         skip_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
@@ -319,10 +320,11 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
             # only a tile across the split's end or the skipped range needs its columns masked; the rest,
             # nearly all, skip the comparisons
             if (start + BLOCK_N > end) | ((start + BLOCK_N > skip_begin) & (start < skip_end)):
-                s = tl.where((col_ok & ((cols < skip_begin) | (cols >= skip_end)))[None, :], s, -INF)
+                s = tl.where((col_ok & ((cols < skip_begin) | (cols >= skip_end)))[None, :], s, -float("inf"))
             if CHECK_IDS:
                 if ids_shared:
-                    s = tl.where(id_i[:, None] != tl.load(ref_ids_ptr + cols, mask=col_ok, other=-1)[None, :], s, -INF)
+                    other_ids = tl.load(ref_ids_ptr + cols, mask=col_ok, other=-1)
+                    s = tl.where(id_i[:, None] != other_ids[None, :], s, -float("inf"))
             negative = True  # (-inf marks the rest)
         else:
             s, _, negative = _pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
@@ -340,7 +342,7 @@ def _negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_i
         shift = new_shift
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
-    tl.store(part_ptr + (splits + split) * num_x + rows, shift * LN2, mask=row_ok)  # (natural log again)
+    tl.store(part_ptr + (splits + split) * num_x + rows, shift * 0.6931471805599453, mask=row_ok)  # (ln(2): back to ln)
     tl.store(part_ptr + (2 * splits + split) * num_x + rows, total, mask=row_ok)
 
 
@@ -356,19 +358,19 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
     stats [4, B] = (minpos, maxneg, LP, LN), loss."""
     rows, row_ok = _ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = _load_keys(labels_ptr, ids_ptr, rows, row_ok)
-    maxneg = tl.full((BLOCK_M,), -INF, tl.float32)
+    maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     shift_n = tl.zeros((BLOCK_M,), tl.float32)
     sum_n = tl.zeros((BLOCK_M,), tl.float32)
     for k in range(0, splits):
-        maxneg = tl.maximum(maxneg, tl.load(part_ptr + k * num_x + rows, mask=row_ok, other=-INF))
+        maxneg = tl.maximum(maxneg, tl.load(part_ptr + k * num_x + rows, mask=row_ok, other=-float("inf")))
         shift_k = tl.load(part_ptr + (splits + k) * num_x + rows, mask=row_ok, other=0.0)
         total_k = tl.load(part_ptr + (2 * splits + k) * num_x + rows, mask=row_ok, other=0.0)
         new_shift = tl.maximum(shift_n, shift_k)
         sum_n = sum_n * tl.exp(shift_n - new_shift) + total_k * tl.exp(shift_k - new_shift)
         shift_n = new_shift
-    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=INF)
+    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
     if SKIP_RANGE:
-        maxneg = tl.maximum(maxneg, tl.load(minpos_ptr + num_x + rows, mask=row_ok, other=-INF))
+        maxneg = tl.maximum(maxneg, tl.load(minpos_ptr + num_x + rows, mask=row_ok, other=-float("inf")))
     # the final shifts: the exponents of the hardest mined pairs (_shifts), never below the splits'
     # shift (up to a few ulps of rounding), so the range's negatives are summed at a fixed shift, as the
     # positives are
@@ -400,8 +402,8 @@ def _finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_
 def _anchor_stats(stats_ptr, num_anchors, index, ok):
     """(minpos, maxneg, LP, LN) of the anchors `index` from stats [4, num_anchors]; an invalid one has
     empty sets."""
-    minpos = tl.load(stats_ptr + index, mask=ok, other=INF)
-    maxneg = tl.load(stats_ptr + num_anchors + index, mask=ok, other=-INF)
+    minpos = tl.load(stats_ptr + index, mask=ok, other=float("inf"))
+    maxneg = tl.load(stats_ptr + num_anchors + index, mask=ok, other=-float("inf"))
     lp = tl.load(stats_ptr + 2 * num_anchors + index, mask=ok, other=0.0)
     ln = tl.load(stats_ptr + 3 * num_anchors + index, mask=ok, other=0.0)
     return minpos, maxneg, lp, ln
@@ -437,8 +439,8 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     scale = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
     minpos, maxneg, lp, ln = _anchor_stats(stats_ptr, num_anchors, i, ok)
     has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
-    largest = tl.maximum(tl.where(has_positive, -alpha * (minpos - base) - lp, -INF),
-                         tl.where(has_negative, beta * (maxneg - base) - ln, -INF))
+    largest = tl.maximum(tl.where(has_positive, -alpha * (minpos - base) - lp, -float("inf")),
+                         tl.where(has_negative, beta * (maxneg - base) - ln, -float("inf")))
     counted = tl.where(_anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE), tl.abs(scale), 0.0)
     bound = tl.log2(tl.where(counted > 0, counted, 1.0)) + largest * 1.4426950408889634  # (1 / ln 2)
     exponent = tl.where(counted > 0, tl.floor(-bound), 64.0)
@@ -447,7 +449,7 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     tl.store(scale_ptr + i, scale, mask=ok)
     tl.store(lift_ptr + i, lift, mask=ok)
     if COLUMN_LIFT:
-        tl.atomic_min(column_lift_ptr, tl.min(tl.where(ok, lift, INF), axis=0))
+        tl.atomic_min(column_lift_ptr, tl.min(tl.where(ok, lift, float("inf")), axis=0))
 
 
 @triton.jit
@@ -508,7 +510,7 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
         if label_free:  # (a constant False without LABEL_ORDER: the compiler drops the branch)
             # every tile masked: a branch for the split's last tile took 255 registers and 2024 SASS
             # instructions, and spilled 8 bytes at B not a multiple of 16; this 233, 1792 and none (sm_90, 3.6)
-            s = tl.where(col_ok[None, :], s, -INF)
+            s = tl.where(col_ok[None, :], s, -float("inf"))
             h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if A_ANCHORS:
                 h += _negative_weights(s, minpos_i[:, None], offset_i[:, None], scale_i[:, None], beta, epsilon,
@@ -718,7 +720,7 @@ class Reorder(NamedTuple):
     order: torch.Tensor
 
     def __call__(self):
-        self.out.index_copy_(0, self.order, self.grad)
+        self.out.index_put_((self.order,), self.grad)  # (int32 indices, which index_copy_ refuses)
 
 
 class Product(NamedTuple):
@@ -916,9 +918,11 @@ def int32_keys(a, b):
     return (ranks, ranks) if a is b else (ranks[:a.shape[0]], ranks[a.shape[0]:])
 
 
-def _operands(x, labels, ids, ref, ref_labels, ref_ids):
-    """Aligned rows of one dtype and int32 keys of both ends (`int32_keys`); default identities
-    never collide across ends (self case: the row index, so the diagonal is skipped)."""
+def _operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
+    """Aligned rows of one dtype, int32 identities and, for a reference set, int32 keys of both ends
+    (`int32_keys`; the self case's labels as given: its label order ranks them, `_label_order`).
+    Default identities (default_ids; else None) never collide across ends (self case: the row index,
+    so the diagonal is skipped)."""
     # the public API's checks, again for direct calls of the op: a wrong length would read out of
     # bounds, a tensor on another device hand the kernel a foreign pointer
     _check_inputs(x, labels, ref, ref_labels, ids, ref_ids)
@@ -926,14 +930,16 @@ def _operands(x, labels, ids, ref, ref_labels, ref_ids):
     dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
     x = _aligned_rows(x, dtype)
     ref = None if ref is None else _aligned_rows(ref, dtype)
-    ids = torch.arange(batch, device=x.device, dtype=torch.int32) if ids is None else ids
+    if ids is None and default_ids:
+        ids = torch.arange(batch, device=x.device, dtype=torch.int32)
     if ref is None:
-        ref, ref_labels, ref_ids = x, labels, ids
-    elif ref_ids is None:
+        ids = None if ids is None else int32_keys(ids, ids)[0]
+        return x, x, labels, ids, labels, ids
+    if ref_ids is None:
         ref_ids = torch.arange(batch, batch + ref.shape[0], device=x.device, dtype=torch.int32)
     labels, ref_labels = int32_keys(labels, ref_labels)
     ids, ref_ids = int32_keys(ids, ref_ids)
-    return (x, ref, labels, ids, ref_labels, ref_ids)
+    return x, ref, labels, ids, ref_labels, ref_ids
 
 
 def _split(config):
@@ -999,8 +1005,8 @@ def positive_ranges(row_keys, col_keys, block_m, self_case):
     (segment_end[a - 1] <= q < segment_end[a]) is column column_order[q + column_shift[a]] (a memory
     bank of random classes costs no more than the self case)."""
     if self_case:
-        _, row_order, ranges = _label_order(row_keys, block_m)
-        row_order = row_order.to(torch.int32)
+        _, row_order, ranges = _label_order(row_keys, block_m, row_keys.new_empty((2, row_keys.shape[0]),
+                                                                                   dtype=torch.int32))
         return row_order, row_order, None, None, ranges
     row_sorted, row_order = torch.sort(row_keys, stable=True)
     row_order = row_order.to(torch.int32)
@@ -1024,15 +1030,35 @@ def _block_lasts(t, block_m):
     return torch.cat([lasts, t[-1:]]) if t.shape[0] % block_m else lasts
 
 
-def _label_order(keys, block_m):
-    """(the keys sorted, the order that sorts them (stable), ranges [blocks, 2]): the self case in label
-    order, where block k of block_m rows has the columns of its labels, its positives among them, in
-    slots ranges[k, 0] .. ranges[k, 1] of the same order, and every other column is a negative of all
-    of its rows."""
-    keys, order = torch.sort(keys, stable=True)
-    ends = torch.stack([keys[::block_m], _block_lasts(keys, block_m)])  # (rows searchsorted reads without a copy)
-    return keys, order, torch.stack([torch.searchsorted(keys, ends[0]),
-                                     torch.searchsorted(keys, ends[1], right=True)], 1)
+def _label_order(keys, block_m, saved):
+    """The self case in label order, from one stable sort of its keys: (int32 ranks of the keys in the
+    caller's order, equal exactly where the keys are; the int32 order that sorts them; ranges
+    [blocks, 2]). Block k of block_m rows in that order has the columns of its labels, its positives
+    among them, in slots ranges[k, 0] .. ranges[k, 1] of the same order, and every other column is a
+    negative of all of its rows. `saved` (int32 [2, B]) receives the order and the sorted ranks:
+    the forward's stats keep them for the backward (`saved_label_order`), which then sorts nothing."""
+    sorted_keys, order = torch.sort(keys, stable=True)
+    saved[0].copy_(order)
+    torch.searchsorted(sorted_keys, sorted_keys, out_int32=True, out=saved[1])
+    return torch.searchsorted(sorted_keys, keys, out_int32=True), saved[0], _block_ranges(saved[1], block_m)
+
+
+def _block_ranges(first, block_m):
+    """[blocks, 2] int32: where the keys of each block of block_m rows begin and end in the sorted order,
+    from `first`, each sorted key's first position among them (the sorted ranks of `_label_order`)."""
+    ends = torch.searchsorted(first, first, right=True, out_int32=True)  # (one past each key's last position)
+    return torch.stack([first[::block_m], _block_lasts(ends, block_m)], 1)
+
+
+SAVED_ROWS = 2  # the self case's stats rows after the four statistics: its label order (`_label_order`)
+
+
+def saved_label_order(stats):
+    """(order, sorted ranks), int32 views of the self case's stats rows that `_label_order` wrote."""
+    if stats.dim() != 2 or stats.shape[0] != 4 + SAVED_ROWS or stats.dtype != torch.float32:
+        raise ValueError(f"stats must be the triton forward's float32 [{4 + SAVED_ROWS}, B] in the self case, "
+                         f"got {stats.dtype} {tuple(stats.shape)}")
+    return stats[4:].view(torch.int32).unbind(0)
 
 
 def _shared_identities(ids, labels):
@@ -1049,18 +1075,23 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                  skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None, capability=None):
     """(loss [B], stats [4, B], launches that fill them): the hardest positive from each block's
     positive range, one pass over all columns (per column split) for the negatives, and one launch
-    that combines the splits and sums the positives (`positive_ranges`)."""
+    that combines the splits and sums the positives (`positive_ranges`). Self case: stats [6, B],
+    the last two rows its label order for the backward (`_label_order`, `saved_label_order`)."""
     _check_dtypes(x, ref)
     _check_beta(beta)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     loss = torch.empty(num_x, dtype=torch.float32, device=x.device)  # (_finish_kernel writes every row)
-    stats = torch.empty(4, num_x, dtype=torch.float32, device=x.device)
+    stats = torch.empty(4 + SAVED_ROWS * (ref is None), num_x, dtype=torch.float32, device=x.device)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability))
     row_programs = _cdiv(num_x, config["BLOCK_M"])
-    row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels, config["BLOCK_M"],
-                                                                              ref is None)
+    if ref is None:  # one sort of the labels, kept in stats for the backward
+        a_labels, row_order, ranges = _label_order(a_labels, config["BLOCK_M"], stats[4:].view(torch.int32))
+        b_labels, col_order, segment_end, column_shift = a_labels, row_order, None, None
+    else:
+        row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels,
+                                                                                  config["BLOCK_M"], False)
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
                                            multiprocessors or _multiprocessors(x.device, interpret))
     minpos = torch.empty(2, num_x, dtype=torch.float32, device=x.device)  # (and the positive ranges' maxneg)
@@ -1107,7 +1138,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     summed over the first axis."""
     _check_dtypes(x, ref)
     _check_beta(beta)
-    a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids)
+    a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids,
+                                                       default_ids=ref is not None)
     num_x, dim = a.shape
     if grad_loss.shape != (num_x,):
         raise ValueError(f"grad_loss must have shape [{num_x}] to match x, got {tuple(grad_loss.shape)}")
@@ -1131,9 +1163,11 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if ref is None:
         # the self case runs in label order: a tile beside its row block's positive range holds negatives
         # only and takes its weights without labels (LABEL_ORDER); the gradient's rows go back at the end
-        block_m = range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"]
-        a_labels, order, label_order["range_ptr"] = _label_order(a_labels, block_m)
-        a, a_ids, stats = a.index_select(0, order), a_ids.index_select(0, order), stats.index_select(1, order)
+        # (the forward's, from stats: no sort)
+        order, a_labels = saved_label_order(stats)
+        label_order["range_ptr"] = _block_ranges(a_labels, range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"])
+        a, stats = a.index_select(0, order), stats[:4].index_select(1, order)
+        a_ids = order if a_ids is None else a_ids.index_select(0, order)  # (default ids: the row index)
         b, b_labels, b_ids = a, a_labels, a_ids
         grad_loss = grad_loss.index_select(0, order) if grad_loss.stride(0) else grad_loss  # ("mean": expanded)
         if ids is not None:
@@ -1328,12 +1362,19 @@ def _run(plan, device, *args):
     it on, and its tensors may require a gradient) and autocast too (it would turn their float32
     products into 16-bit ones)."""
     *outputs, launches = plan(*args)
-    with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()), torch.no_grad(), \
-            torch.autocast(device.type, enabled=False):
-        for launch in launches:
-            if not isinstance(launch, Launch) or all(launch.grid):  # an empty grid has nothing to write
-                launch()
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):  # (entered only then: 10-20 us)
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                _launch(launches)
+        else:
+            _launch(launches)
     return tuple(outputs)
+
+
+def _launch(launches):
+    for launch in launches:
+        if not isinstance(launch, Launch) or all(launch.grid):  # an empty grid has nothing to write
+            launch()
 
 
 # ---- the ops ----------------------------------------------------------------------------------
@@ -1387,4 +1428,4 @@ unit_rows = _UnitRows.apply
 triton_forward = torch.library.custom_op("ms_loss_cuda::triton_forward", _forward, mutates_args=())
 triton_backward = torch.library.custom_op("ms_loss_cuda::triton_backward", _backward, mutates_args=())
 fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", _forward,
-                                      _backward)
+                                      _backward, saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)

@@ -1,0 +1,131 @@
+"""The host time of an eager triton step in this checkout and in another one, side by side: one worker
+process per checkout, taking turns every --chunk steps (the order alternating), so that a noisy
+machine slows both alike; the 10th percentile, median and 90th percentile of all steps per checkout.
+The step is bench/host_time.py's: on CPU (default) the GPU's launch plans on small CPU tensors, every
+launch through Triton's launch path down to a stand-in driver; --device cuda the real step.
+    git worktree add /tmp/before HEAD~1
+    python bench/host_time_versus.py /tmp/before --out bench/results/cpu/host-time-versus.txt
+The other checkout needs no install: its ms_loss_cuda and triton_kernels are imported from its tree
+(without its C++ extension, which the triton backend does not use).
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def import_checkout(root):
+    """ms_loss_cuda (and ms_loss_cuda.triton_kernels, which setup.py maps from triton_kernels/) from
+    the checkout at `root`, ahead of any installed copy."""
+    sys.path.insert(0, root)
+    kernels = os.path.join(root, "triton_kernels")
+    if not os.path.isdir(os.path.join(root, "ms_loss_cuda", "triton_kernels")) and os.path.isdir(kernels):
+        import ms_loss_cuda
+
+        spec = importlib.util.spec_from_file_location("ms_loss_cuda.triton_kernels",
+                                                      os.path.join(kernels, "__init__.py"),
+                                                      submodule_search_locations=[kernels])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = ms_loss_cuda.triton_kernels = module
+        spec.loader.exec_module(module)
+
+
+def revision(root):
+    """The checkout's commit, and whether it has uncommitted changes."""
+    def git(*command):
+        return subprocess.run(["git", "-C", root, *command], capture_output=True, text=True).stdout.strip()
+
+    return f"commit {git('rev-parse', '--short', 'HEAD') or '?'}" + (" + uncommitted changes" if git(
+        "status", "--porcelain", "--untracked-files=no") else "")
+
+
+def serve(args):
+    """A worker: builds the step on the checkout args.serve, then times `n` steps for each line n it reads."""
+    import_checkout(args.serve)
+    import torch
+    from benchmark import HARDNESS, make_inputs, step_function
+    from host_time import cpu_stand_in
+
+    from ms_loss_cuda.triton_kernels import ms_loss as kernels
+
+    synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    if args.device == "cpu":
+        cpu_stand_in(kernels, "launcher")
+    x, labels, ref, ref_labels = make_inputs(args.batch, args.dim, HARDNESS["typical"],
+                                             args.ref_rows if args.case == "memory bank" else None, args.device)
+    x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
+    step = step_function("triton", labels, ref, ref_labels)
+    for _ in range(20):  # compiles, warms the caches
+        x.grad = None
+        step(x)
+    print(json.dumps(kernels.__file__), flush=True)
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line)):
+            x.grad = None
+            synchronize()
+            start = time.perf_counter()
+            step(x)
+            times.append(time.perf_counter() - start)
+        print(json.dumps(times), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("other", nargs="?", help="the other checkout's root")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--ref-rows", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=20, help="turns per checkout and case")
+    parser.add_argument("--chunk", type=int, default=50, help="steps per turn")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--out")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return serve(args)
+    checkouts = {"this": os.path.dirname(HERE), "other": os.path.abspath(args.other)}
+    lines = [f"host time of one eager triton step on {args.device}, float16, P x 4 batches of typical hardness, "
+             f"B = {args.batch}, R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms over "
+             f"{args.turns} turns of {args.chunk} steps per checkout, the two taking turns (one thread each on CPU)"]
+    for case in ("self", "memory bank"):
+        workers, times = {}, {}
+        for name, root in checkouts.items():
+            command = [sys.executable, __file__, "--serve", root, "--case", case, "--device", args.device,
+                       "--batch", str(args.batch), "--ref-rows", str(args.ref_rows), "--dim", str(args.dim)]
+            workers[name] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                             cwd=HERE, env=dict(os.environ, PYTHONPATH=HERE))
+            times[name] = []
+            if case == "self":
+                lines.append(f"  {name}: {root}, {revision(root)} (kernels from "
+                             f"{json.loads(workers[name].stdout.readline())})")
+            else:
+                workers[name].stdout.readline()
+        for turn in range(args.turns):
+            for name in (list(workers) if turn % 2 == 0 else list(workers)[::-1]):
+                workers[name].stdin.write(f"{args.chunk}\n")
+                workers[name].stdin.flush()
+                times[name] += json.loads(workers[name].stdout.readline())
+        for name, worker in workers.items():
+            worker.stdin.close()
+            worker.wait()
+            ranked = sorted(times[name])
+            at = lambda q: ranked[round(q * (len(ranked) - 1))] * 1e3  # noqa: E731
+            lines.append(f"  {case:12s} {name:6s} p10 {at(0.1):.3f}  median {at(0.5):.3f}  p90 {at(0.9):.3f}")
+    from benchmark import machine_info
+
+    lines.append("machine: " + json.dumps(machine_info()))
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
