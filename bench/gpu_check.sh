@@ -10,7 +10,8 @@
 # D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32", the last float32 under
 # TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend,
 # of the same with its fused backward and of the cuda backend, against the step's wall time and host time;
-# bench/host_time.py: the host's time of a triton step, three ways).
+# bench/host_time.py: the host's time of a triton step, three ways; with BEFORE=another checkout,
+# bench/host_time_versus.py: this checkout's step and that one's, taking turns).
 # On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
 # too, about 1.5 minutes a dtype; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes;
 # a later bench step of the same DIR adds the triton-tuned providers, the sweep's winners at B = 16384,
@@ -90,7 +91,11 @@ for step in $STEPS; do
     run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
       --providers triton triton-fused cuda
     run_step host-time 300 $PY bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512 \
-      --steps 50 --rounds 3 --out "$DIR/host-time.txt" ;;
+      --steps 50 --rounds 3 --out "$DIR/host-time.txt"
+    if [ -n "${BEFORE:-}" ]; then  # another checkout (an earlier build) carried along: the two side by side
+      run_step host-time-versus 300 $PY bench/host_time_versus.py "$BEFORE" --device cuda --batch 16384 \
+        --ref-rows 65536 --dim 512 --turns 10 --out "$DIR/host-time-versus.txt"
+    fi ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \
