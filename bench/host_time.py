@@ -94,6 +94,17 @@ def count_launches(kernels):
     return counts
 
 
+def report(lines, out=None):
+    """Prints the result's lines and the machine's, and writes them to the file `out` when given."""
+    from benchmark import machine_info
+
+    lines = lines + ["machine: " + json.dumps(machine_info())]
+    print("\n".join(lines))
+    if out:
+        with open(out, "w") as file:
+            file.write("\n".join(lines) + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=128)
@@ -107,7 +118,7 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     import torch
-    from benchmark import HARDNESS, machine_info, make_inputs, step_function
+    from benchmark import HARDNESS, make_inputs, step_function
     from ms_loss_cuda import loss, ops, triton_kernels
     from ms_loss_cuda.triton_kernels import ms_loss as triton_ms_loss
 
@@ -147,11 +158,7 @@ def main():
         lines.append(f"  {case:12s} a step: {counts[case]['launches']:.0f} Triton launches "
                      f"({counts[case]['launch_s'] * 1e3:.3f} ms of the eager step), "
                      f"{counts[case]['products']:.0f} cuBLAS products")
-    lines.append("machine: " + json.dumps(machine_info()))
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write("\n".join(lines) + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

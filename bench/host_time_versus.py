@@ -118,13 +118,9 @@ def main():
             ranked = sorted(times[name])
             at = lambda q: ranked[round(q * (len(ranked) - 1))] * 1e3  # noqa: E731
             lines.append(f"  {case:12s} {name:6s} p10 {at(0.1):.3f}  median {at(0.5):.3f}  p90 {at(0.9):.3f}")
-    from benchmark import machine_info
+    from host_time import report
 
-    lines.append("machine: " + json.dumps(machine_info()))
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write("\n".join(lines) + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":
