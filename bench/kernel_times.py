@@ -1,6 +1,7 @@
 """Where one forward+backward step's time goes on a GPU: each kernel's device time per step (torch
-profiler), their sum, the step's wall time, so launch overhead and host syncs show as the gap, and
-the host's time to issue a step (from an idle GPU until the step returns, median of --steps).
+profiler), their sum, the step's wall time, so launch overhead and host syncs show as the gap, the
+host's time to issue a step (from an idle GPU until the step returns, median of --steps), and the
+host ops that take most of it (their own CPU time under the profiler).
     python bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --providers triton cuda
 Shapes: B (self case) or BxR (B anchors against a memory bank of R rows). Data as bench/benchmark.py
 (P x M batches, typical hardness).
@@ -51,6 +52,13 @@ def main():
                   f"host {host * 1e3:.3f} ms/step")
             for e in kernels[:12]:
                 print(f"  {e.device_time_total / args.steps / 1e3:8.3f} ms  x{e.count // args.steps:<3} {e.key[:90]}")
+            # the host's side: ops and Python-visible calls by their own CPU time (inflated by the profiler)
+            host_ops = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                              key=lambda e: -e.self_cpu_time_total)
+            total = sum(e.self_cpu_time_total for e in host_ops) / args.steps / 1e3
+            print(f"  host, self CPU time a step (profiled): {total:.3f} ms")
+            for e in host_ops[:12]:
+                print(f"  {e.self_cpu_time_total / args.steps / 1e3:8.3f} ms  x{e.count // args.steps:<3} {e.key[:90]}")
 
 
 if __name__ == "__main__":
