@@ -910,7 +910,8 @@ def _aligned_rows(t, dtype):
 def int32_keys(a, b):
     """Keys of both ends as int32 tensors that are equal exactly where a's and b's values are: each
     value's rank among all of them (a sort, no device sync). int32 halves the integer work per pair.
-    The loss ranks them once before the ops (ms_loss_cuda/loss.py), so neither op sorts again."""
+    The loss ranks them once before the ops (ms_loss_cuda/loss.py), so neither op sorts again (the
+    self case's labels excepted: the forward's one sort ranks them, `_label_order`)."""
     if a.dtype == torch.int32 and b.dtype == torch.int32:
         return a.contiguous(), b.contiguous()
     both = a.to(torch.int64).contiguous() if a is b else torch.cat([a.to(torch.int64), b.to(torch.int64)])
