@@ -12,6 +12,7 @@
 """
 import os
 import shutil
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -388,22 +389,32 @@ def test_saves_the_cpu_kernels_statistics(target, case):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("labels_dtype", [torch.int64, torch.int32, torch.uint8])
+@pytest.mark.parametrize("labels_dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint16,
+                                          torch.uint32, torch.uint64])
 def test_the_triton_self_case_keeps_its_label_order_for_the_backward(labels_dtype):
     """The self case's forward sorts the labels once and keeps the order and the sorted labels' ranks
-    in its stats' last two rows (int32 bits), which the backward reads instead of sorting again."""
+    in its stats' last two rows (int32 bits), which the backward reads instead of sorting again; for
+    every integer dtype, from labels that are not contiguous (no warning either), with the same loss
+    and gradient as int64 labels."""
     x, labels = make_batch(97, 16, 9, dtype=torch.float32)
-    labels = (labels * 37 + 5).to(labels_dtype)  # (not their own ranks)
+    labels = torch.stack([labels * 37 + 5, labels], 1).to(labels_dtype)[:, 0]  # (not their own ranks; strided)
     x, labels = F.normalize(x, dim=1).to(DEVICE), labels.to(DEVICE)
-    _, stats = torch.ops.ms_loss_cuda.triton_forward(x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True,
-                                                     False)
-    order, ranks = (row.cpu().long() for row in triton_kernels.ms_loss.saved_label_order(stats))
-    assert torch.equal(order, torch.sort(labels.cpu(), stable=True).indices)
-    sorted_labels = labels.cpu().long()[order]
-    assert torch.equal(ranks, torch.searchsorted(sorted_labels, sorted_labels))  # equal exactly where labels are
-    with pytest.raises(ValueError, match="stats must be the triton forward's"):
-        torch.ops.ms_loss_cuda.triton_backward(torch.ones(97, device=DEVICE), stats[:4], x, labels, None, None, None,
-                                               None, 2.0, 50.0, 0.5, 0.1, True, False)
+    args = (None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, stats = torch.ops.ms_loss_cuda.triton_forward(x, labels, *args)
+        grad = torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), stats, x, labels, *args)[0]
+    order, ranks = (row.cpu().long() for row in triton_kernels.ms_loss.saved_label_order(stats, 97))
+    wide = labels.cpu().long()
+    assert torch.equal(order, torch.sort(wide, stable=True).indices)
+    assert torch.equal(ranks, torch.searchsorted(wide[order], wide[order]))  # equal exactly where the labels are
+    loss64, stats64 = torch.ops.ms_loss_cuda.triton_forward(x, labels.long(), *args)
+    assert torch.equal(loss, loss64) and torch.equal(stats, stats64)
+    assert torch.equal(grad, torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), stats, x, wide.to(DEVICE),
+                                                                    *args)[0])
+    for wrong in (stats[:4], stats[:, :96]):
+        with pytest.raises(ValueError, match="stats must be the triton forward's"):
+            torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), wrong, x, labels, *args)
 
 
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,

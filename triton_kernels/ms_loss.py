@@ -1038,10 +1038,13 @@ def _label_order(keys, block_m, saved):
     among them, in slots ranges[k, 0] .. ranges[k, 1] of the same order, and every other column is a
     negative of all of its rows. `saved` (int32 [2, B]) receives the order and the sorted ranks:
     the forward's stats keep them for the backward (`saved_label_order`), which then sorts nothing."""
-    sorted_keys, order = torch.sort(keys, stable=True)
+    if keys.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        keys = keys.to(torch.int64)  # (what searchsorted takes: uint16-64 values stay distinct in int64)
+    sorted_keys, order = torch.sort(keys.contiguous(), stable=True)
     saved[0].copy_(order)
     torch.searchsorted(sorted_keys, sorted_keys, out_int32=True, out=saved[1])
-    return torch.searchsorted(sorted_keys, keys, out_int32=True), saved[0], _block_ranges(saved[1], block_m)
+    return (torch.searchsorted(sorted_keys, keys.contiguous(), out_int32=True), saved[0],
+            _block_ranges(saved[1], block_m))
 
 
 def _block_ranges(first, block_m):
@@ -1054,11 +1057,12 @@ def _block_ranges(first, block_m):
 SAVED_ROWS = 2  # the self case's stats rows after the four statistics: its label order (`_label_order`)
 
 
-def saved_label_order(stats):
-    """(order, sorted ranks), int32 views of the self case's stats rows that `_label_order` wrote."""
-    if stats.dim() != 2 or stats.shape[0] != 4 + SAVED_ROWS or stats.dtype != torch.float32:
-        raise ValueError(f"stats must be the triton forward's float32 [{4 + SAVED_ROWS}, B] in the self case, "
-                         f"got {stats.dtype} {tuple(stats.shape)}")
+def saved_label_order(stats, batch):
+    """(order, sorted ranks), int32 views of the self case's stats rows that `_label_order` wrote. They
+    hold integers as float32 bits: stats must reach the backward as the forward made them (no cast)."""
+    if stats.shape != (4 + SAVED_ROWS, batch) or stats.dtype != torch.float32:
+        raise ValueError(f"stats must be the triton forward's float32 [{4 + SAVED_ROWS}, {batch}] in the self "
+                         f"case, got {stats.dtype} {tuple(stats.shape)}")
     return stats[4:].view(torch.int32).unbind(0)
 
 
@@ -1165,7 +1169,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         # the self case runs in label order: a tile beside its row block's positive range holds negatives
         # only and takes its weights without labels (LABEL_ORDER); the gradient's rows go back at the end
         # (the forward's, from stats: no sort)
-        order, a_labels = saved_label_order(stats)
+        order, a_labels = saved_label_order(stats, num_x)
         label_order["range_ptr"] = _block_ranges(a_labels, range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"])
         a, stats = a.index_select(0, order), stats[:4].index_select(1, order)
         a_ids = order if a_ids is None else a_ids.index_select(0, order)  # (default ids: the row index)
