@@ -20,8 +20,8 @@ import statistics
 import time
 
 
-def host_time(step, x, steps, synchronize):
-    """Median seconds from an idle device until step(x) returns (bench/benchmark.py's steps)."""
+def step_times(step, x, steps, synchronize):
+    """Seconds from an idle device until step(x) returns, for each of `steps` steps (bench/benchmark.py's)."""
     times = []
     for _ in range(steps):
         x.grad = None
@@ -29,7 +29,12 @@ def host_time(step, x, steps, synchronize):
         start = time.perf_counter()
         step(x)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def host_time(step, x, steps, synchronize):
+    """The median of `step_times`."""
+    return statistics.median(step_times(step, x, steps, synchronize))
 
 
 def without_driver_calls():

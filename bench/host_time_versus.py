@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,7 +48,7 @@ def serve(args):
     import_checkout(args.serve)
     import torch
     from benchmark import HARDNESS, make_inputs, step_function
-    from host_time import cpu_stand_in
+    from host_time import cpu_stand_in, step_times
 
     from ms_loss_cuda.triton_kernels import ms_loss as kernels
 
@@ -60,19 +59,10 @@ def serve(args):
                                              args.ref_rows if args.case == "memory bank" else None, args.device)
     x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
     step = step_function("triton", labels, ref, ref_labels)
-    for _ in range(20):  # compiles, warms the caches
-        x.grad = None
-        step(x)
+    step_times(step, x, 20, synchronize)  # compiles, warms the caches
     print(json.dumps(kernels.__file__), flush=True)
     for line in sys.stdin:
-        times = []
-        for _ in range(int(line)):
-            x.grad = None
-            synchronize()
-            start = time.perf_counter()
-            step(x)
-            times.append(time.perf_counter() - start)
-        print(json.dumps(times), flush=True)
+        print(json.dumps(step_times(step, x, int(line), synchronize)), flush=True)
 
 
 def main():
