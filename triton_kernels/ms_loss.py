@@ -46,15 +46,16 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified: on an H100, this build (torch 2.11, triton 3.6; bench/gpu_check.sh, 2026-11-25): the
-parity suite against the float64 reference on CUDA tensors (TF32 too; the fused and the chunked
-backward each as a target), compute-sanitizer memcheck and synccheck on both backwards (racecheck
-clean on the 2026-11-22 build), timings in bench/results/gpu/: the chunked backward 2.0-3.8x faster
-than the fused one, so a GPU's default. The sm_80 entries of the tile table have only been
-compiled. Without a GPU: the same suite under TRITON_INTERPRET=1 on CPU tensors
-(tests/test_gpu_backends.py, the chunked backward as a target of its own), and the PTX/ptxas facts
-of every shipped configuration and of the chunked backward's kernel compiled ahead of time for
-sm_80 and sm_90 (tests/test_triton_compile.py).
+Verified: on an H100 (torch 2.11, triton 3.6; bench/gpu_check.sh), the build of 2026-11-25 before
+the self case kept its label order in the stats and the kernels took literal constants (those
+changes: interpreted and compiled only): the parity suite against the float64 reference on CUDA
+tensors (TF32 too; the fused and the chunked backward each as a target), compute-sanitizer memcheck
+and synccheck on both backwards (racecheck clean on the 2026-11-22 build), timings in
+bench/results/gpu/: the chunked backward 2.0-3.8x faster than the fused one, so a GPU's default. The
+sm_80 entries of the tile table have only been compiled. Without a GPU: the same suite under
+TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
+its own), and the PTX/ptxas facts of every shipped configuration and of the chunked backward's
+kernel compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
 import os
