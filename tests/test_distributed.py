@@ -13,6 +13,7 @@ import ms_loss_cuda
 from ms_loss_cuda import distributed
 
 WORLD = 2
+pytestmark = pytest.mark.xdist_group("distributed")  # (one pytest-xdist worker: its processes are a module fixture)
 SIZES = (7, 4)  # unequal per-process batches
 
 
@@ -53,10 +54,12 @@ def _single_process(options, memory_size, steps, dtype):
     return results
 
 
-def _worker(rank, port, options, memory_size, steps, dtype, out):
+def _worker(rank, port, configs, steps, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    _train(rank, options, memory_size, steps, dtype, out)  # its DistributedDataParallel is gone before the group
+    for config in configs:  # (each DistributedDataParallel is gone before the group)
+        memory_size, options, dtype = CONFIGS[config]
+        _train(rank, _memory_options(config), memory_size, steps, dtype, os.path.join(out, f"{config}-rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -80,33 +83,52 @@ def _train(rank, options, memory_size, steps, dtype, out):
     torch.save(results, out)
 
 
-@pytest.mark.parametrize("memory_size,options,dtype", [
+CONFIGS = [  # (memory size, options, dtype); the triton backend runs under the interpreter without a GPU
     (0, dict(backend="reference"), torch.float64),
     (0, dict(backend="cpu", reduction="sum", epsilon=0.3), torch.float64),
     (9, dict(backend="cpu", warmup=1), torch.float64),
-    (9, dict(backend="triton", warmup=1), torch.float32),  # (under the interpreter without a GPU)
-])
-def test_two_processes_equal_one(memory_size, options, dtype, tmp_path):
-    if options["backend"] not in ms_loss_cuda.available_backends("cpu"):
-        pytest.skip(f"backend {options['backend']} cannot run here")
-    steps = 3
+    (9, dict(backend="triton", warmup=1), torch.float32),
+]
+STEPS = 3
+
+
+def _memory_options(config):
+    """The loss's options, and the memory's warmup when the configuration has a memory."""
+    memory_size, options, _ = CONFIGS[config]
     loss_options = {k: v for k, v in options.items() if k != "warmup"}
-    memory_options = dict(loss_options, warmup=options.get("warmup", 0)) if memory_size else loss_options
-    context = mp.get_context("spawn")
-    port = _free_port()
-    outputs = [str(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
-    processes = [context.Process(target=_worker,
-                                 args=(rank, port, memory_options, memory_size, steps, dtype, outputs[rank]))
-                 for rank in range(WORLD)]
+    return dict(loss_options, warmup=options.get("warmup", 0)) if memory_size else loss_options
+
+
+def _runnable(config):
+    return CONFIGS[config][1]["backend"] in ms_loss_cuda.available_backends("cpu")
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    """{configuration: [each rank's (loss, parameter gradients) per step]} from one pair of processes
+    that runs every configuration this machine can (a pair for each took about 13 s to start)."""
+    configs = [config for config in range(len(CONFIGS)) if _runnable(config)]
+    out = str(tmp_path_factory.mktemp("distributed"))
+    context, port = mp.get_context("spawn"), _free_port()
+    processes = [context.Process(target=_worker, args=(rank, port, configs, STEPS, out)) for rank in range(WORLD)]
     for p in processes:
         p.start()
-    for p in processes:  # never leave a worker behind (one stuck in a collective would block the next test)
-        p.join(timeout=180)
+    for p in processes:  # never leave a worker behind (one stuck in a collective would block the tests)
+        p.join(timeout=300)
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in processes] == [0] * WORLD
-    results = [torch.load(path) for path in outputs]
-    expected = _single_process(memory_options, memory_size, steps, dtype)
+    return {config: [torch.load(os.path.join(out, f"{config}-rank{rank}.pt")) for rank in range(WORLD)]
+            for config in configs}
+
+
+@pytest.mark.parametrize("config", range(len(CONFIGS)), ids=["reference", "cpu-sum", "cpu-memory", "triton-memory"])
+def test_two_processes_equal_one(config, two_process_results):
+    memory_size, options, dtype = CONFIGS[config]
+    if not _runnable(config):
+        pytest.skip(f"backend {options['backend']} cannot run here")
+    results = two_process_results[config]
+    expected = _single_process(_memory_options(config), memory_size, STEPS, dtype)
     close = dict(rtol=1e-6, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)  # (sums' order)
     for step, (loss, grads) in enumerate(expected):
         for rank in range(WORLD):
