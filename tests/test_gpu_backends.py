@@ -658,6 +658,42 @@ def test_float16_weights_keep_their_precision_under_a_tiny_grad_output(monkeypat
     assert_close(dx[:, :64], want, 4e-3, min_scale=0.0)
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("form", ["fused", "whole_rows"])
+def test_float16_weights_of_a_group_with_tiny_grad_outputs_keep_their_precision(monkeypatch, form):
+    """The self case's per-row lifts: two groups of 100 anchors in orthogonal halves of the embedding
+    (pairs across them weigh about e^-25 under beta = 50), the second's grad_output 2^-17 of the
+    first's, so its rows of dx come from its own weights alone, in float16 subnormals unless lifted.
+    With each row's lift every row holds 1.5e-3 of its own scale (every lift set to 1: 0.4). The
+    fused backward and the chunked one in chunks of whole rows; the chunked triangle (a GPU's
+    choice for 16-bit batches whose weights need several chunks: B above about 11,600 at the
+    default 256 MiB) takes one lift for all rows and loses that precision (3.5% here; README, the
+    chunked backward's lifting)."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0" if form == "fused" else "1e-6")
+    kernels = triton_kernels.ms_loss
+    if form == "whole_rows":
+        shipped = kernels.tile_config
+        monkeypatch.setattr(kernels, "tile_config", lambda kind, *args, **kwargs: dict(
+            shipped(kind, *args, **kwargs), **({"TRIANGLE_ROWS": 10 ** 9} if kind == "weights" else {})))
+    gen, n = torch.Generator().manual_seed(3), 100
+    x = torch.zeros(2 * n, 64, dtype=torch.float64)
+    for group, columns in enumerate((slice(0, 32), slice(32, 64))):  # each around a centre of its own
+        x[group * n:(group + 1) * n, columns] = (torch.randn(1, 32, generator=gen, dtype=torch.float64)
+                                                 + 0.2 * torch.randn(n, 32, generator=gen, dtype=torch.float64))
+    x = F.normalize(x, dim=1).half()
+    labels = torch.cat([torch.randint(0, 10, (n,), generator=gen), torch.randint(10, 20, (n,), generator=gen)])
+    grad_output = torch.cat([torch.ones(n), torch.full((n,), 2.0 ** -17)])
+    hyper = (2.0, 50.0, 0.5, 0.1, False, False)  # (alpha, beta, base, epsilon, mining, skip_incomplete_anchors)
+    on_device = (x.to(DEVICE), labels.to(DEVICE), None, None, None, None)
+    _, stats = kernels._run(kernels.forward_plan, on_device[0].device, *on_device, *hyper)
+    dx = kernels._run(kernels.backward_plan, on_device[0].device, grad_output.to(DEVICE), stats, *on_device, *hyper)[0]
+    dx = (dx.sum(0) if dx.dim() == 3 else dx)[:, :64].double().cpu()  # (split partials; float32, before rounding)
+    want = loss_and_grads(dict(embeddings=x.double(), labels=labels), "reference", lambda loss: grad_output.double(),
+                          reduction="none", mining=False, normalize=False, beta=50.0)[1][0]
+    error = (dx - want).abs().amax(dim=1) / want.abs().amax(dim=1)
+    assert error.max() < 4e-3, f"worst row {error.argmax().item()}: {error.max().item():.2e} of its own scale"
+
+
 @pytest.mark.skipif(triton_kernels is None, reason="needs Triton")
 def test_float32_products_follow_torchs_matmul_precision():
     """IEEE products under "highest" (torch's default), TF32 tensor cores under "high"/"medium"."""
