@@ -136,7 +136,7 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     products = [step for step in backward if isinstance(step, triton_kernels.ms_loss.Product)]
     several = batch * (ref_rows or batch) * w.element_size() > mib * MIB
     assert len(weights) >= (2 if several else 1)
-    triangle = weights[0].constexprs["ONE_LIFT"]
+    triangle = weights[0].constexprs["BOTH_LIFTS"]
     assert triangle == (ref_rows is None and limit < 3)
     assert len(products) == (2 * len(weights) - 1 if triangle else len(weights))  # (the last chunk has no later rows)
 

@@ -659,22 +659,29 @@ def test_float16_weights_keep_their_precision_under_a_tiny_grad_output(monkeypat
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("form", ["fused", "whole_rows"])
+@pytest.mark.parametrize("form", ["fused", "whole_rows", "triangle"])
 def test_float16_weights_of_a_group_with_tiny_grad_outputs_keep_their_precision(monkeypatch, form):
-    """The self case's per-row lifts: two groups of 100 anchors in orthogonal halves of the embedding
-    (pairs across them weigh about e^-25 under beta = 50), the second's grad_output 2^-17 of the
-    first's, so its rows of dx come from its own weights alone, in float16 subnormals unless lifted.
-    With each row's lift every row holds 1.5e-3 of its own scale (every lift set to 1: 0.4). The
-    fused backward and the chunked one in chunks of whole rows; the chunked triangle (a GPU's
-    choice for 16-bit batches whose weights need several chunks: B above about 11,600 at the
-    default 256 MiB) takes one lift for all rows and loses that precision (3.5% here; README, the
-    chunked backward's lifting)."""
+    """The self case's lifts: two groups of 100 anchors in orthogonal halves of the embedding (pairs
+    across them weigh about e^-25 under beta = 50), the second's grad_output 2^-17 of the first's,
+    so its rows of dx come from its own weights alone, in float16 subnormals unless lifted. With
+    each row's lift every row holds 1.5e-3 of its own scale (every lift set to 1: 0.4; the
+    triangle's former one lift for all rows: 3.5e-2). The fused backward, and the chunked one in
+    chunks of whole rows and in the triangle (a GPU's choice for 16-bit batches whose weights need
+    several chunks: B above about 11,600 at the default 256 MiB), whose weights take both ends' lifts."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0" if form == "fused" else "1e-6")
     kernels = triton_kernels.ms_loss
     if form == "whole_rows":
         shipped = kernels.tile_config
         monkeypatch.setattr(kernels, "tile_config", lambda kind, *args, **kwargs: dict(
             shipped(kind, *args, **kwargs), **({"TRIANGLE_ROWS": 10 ** 9} if kind == "weights" else {})))
+    shipped_rectangles, triangles = kernels._chunk_rectangles, []
+
+    def rectangles(*args):
+        chosen = shipped_rectangles(*args)
+        triangles.append(chosen[1])
+        return chosen
+
+    monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
     gen, n = torch.Generator().manual_seed(3), 100
     x = torch.zeros(2 * n, 64, dtype=torch.float64)
     for group, columns in enumerate((slice(0, 32), slice(32, 64))):  # each around a centre of its own
@@ -692,6 +699,7 @@ def test_float16_weights_of_a_group_with_tiny_grad_outputs_keep_their_precision(
                           reduction="none", mining=False, normalize=False, beta=50.0)[1][0]
     error = (dx - want).abs().amax(dim=1) / want.abs().amax(dim=1)
     assert error.max() < 4e-3, f"worst row {error.argmax().item()}: {error.max().item():.2e} of its own scale"
+    assert triangles == ([] if form == "fused" else [form == "triangle"])
 
 
 @pytest.mark.skipif(triton_kernels is None, reason="needs Triton")

@@ -35,13 +35,14 @@ def test_every_kernel_compiles_for_both_targets(records):
                "_negatives_kernel[check_ids=True][skip_range=True]",
                "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
                "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
-               "_scales_kernel[column_lift=True]", "_grad_kernel[rows=True,cols=False][check_ids=False]",
+               "_scales_kernel[column_lift=True]", "_scales_kernel[column_lift=False][half_lift]",
+               "_grad_kernel[rows=True,cols=False][check_ids=False]",
                "_grad_kernel[rows=False,cols=True][check_ids=False]",
-               "_weights_kernel[cols=False,one_lift=False,copy=False][check_ids=False]",
-               "_weights_kernel[cols=False,one_lift=False,copy=True][check_ids=False]"}
+               "_weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False]",
+               "_weights_kernel[cols=False,both_lifts=False,copy=True][check_ids=False]"}
     # the self case's chunked backward in label order, with and without the caller's identities, and its
     # positive ranges' launch
-    kernels |= {f"_weights_kernel[cols=True,one_lift={lift},copy=False][check_ids={ids}][label_order]{ranges}"
+    kernels |= {f"_weights_kernel[cols=True,both_lifts={lift},copy=False][check_ids={ids}][label_order]{ranges}"
                 for lift in (False, True) for ids, ranges in ((False, ""), (False, "[range_tiles]"),
                                                              (True, "[range_tiles]"))}
     # the fused backward takes the self case in label order, with and without the caller's identities

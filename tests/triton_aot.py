@@ -73,7 +73,8 @@ def launches(dtype_name, dim, mining, skip, cc):
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
             name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
-            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},one_lift={c['ONE_LIFT']},copy={c['COPY']}]"
+            name += "[half_lift]" if c.get("HALF_LIFT") else ""
+            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},both_lifts={c['BOTH_LIFTS']},copy={c['COPY']}]"
             name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
             name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
             name += "[label_order]" if c.get("LABEL_ORDER") else ""

@@ -423,7 +423,7 @@ def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
 @triton.jit
 def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_lift_ptr, num_anchors, alpha,
                    beta, base, epsilon, max_lift, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                   COLUMN_LIFT: tl.constexpr, BLOCK: tl.constexpr):
+                   COLUMN_LIFT: tl.constexpr, HALF_LIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Per anchor: its gradient scale grad_i / norm (norm = max |grad| clamped at 1e-30, so |scale| <= 1)
     and the lift of its row of pair weights, the power of 2 in [1, min(2^64, max_lift)] that takes
     |scale_i| times the row's largest weight into (1/2, 1]. Weights enter the backward's product in
@@ -434,7 +434,9 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     mined negatives; no overflow, no NaN. An anchor without weights (or that does not count) gets the
     largest lift. COLUMN_LIFT: also the one lift of a reference set's rows, which hold every anchor's
     weights: the smallest anchor lift, at most LIFT_WITH_COLUMN_ANCHORS (an atomic minimum into
-    column_lift_ptr, which starts there: the same result in any order)."""
+    column_lift_ptr, which starts there: the same result in any order). HALF_LIFT (the self case's
+    triangle, where each weight takes its row's and its column's lift: `_chunked_plan`): the power of
+    2 at or below the lift's square root, at most sqrt(max_lift)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_anchors
     scale = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
@@ -446,7 +448,10 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     bound = tl.log2(tl.where(counted > 0, counted, 1.0)) + largest * 1.4426950408889634  # (1 / ln 2)
     exponent = tl.where(counted > 0, tl.floor(-bound), 64.0)
     exponent = tl.where(exponent == exponent, tl.minimum(tl.maximum(exponent, 0.0), 64.0), 64.0)  # NaN: 64
-    lift = tl.minimum(tl.exp2(exponent), max_lift)
+    if HALF_LIFT:
+        lift = tl.minimum(tl.exp2(tl.floor(exponent * 0.5)), tl.sqrt(max_lift))
+    else:
+        lift = tl.minimum(tl.exp2(exponent), max_lift)
     tl.store(scale_ptr + i, scale, mask=ok)
     tl.store(lift_ptr + i, lift, mask=ok)
     if COLUMN_LIFT:
@@ -547,7 +552,7 @@ def _grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
 def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr, row_scale_ptr,
                   w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok, row_begin, cols, col_ok,
                   col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr,
-                  SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, ONE_LIFT: tl.constexpr, COPY: tl.constexpr,
+                  SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr,
                   LABEL_FREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """_weights_kernel's work on one tile: H of the rows against the columns, lifted, stored."""
@@ -577,10 +582,11 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                                  ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
     offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
     ok = row_ok[:, None] & (cols - col_begin < w_stride)[None, :]
-    # each row's lift, or with ONE_LIFT one for all: a vector load either way (as a scalar it took 152
-    # registers under Triton 3.6 instead of 128: one program a multiprocessor, not 2)
-    lift = tl.load(row_scale_ptr + rows * (0 if ONE_LIFT else 1), mask=row_ok, other=1.0)
-    tl.store(w_ptr + offsets, (h * lift[:, None]).to(w_ptr.dtype.element_ty), mask=ok)
+    # each row's lift, and with BOTH_LIFTS each column's too
+    lift = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)[:, None]
+    if BOTH_LIFTS:
+        lift = lift * tl.load(row_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
+    tl.store(w_ptr + offsets, (h * lift).to(w_ptr.dtype.element_ty), mask=ok)
     if COPY:
         tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
 
@@ -590,14 +596,14 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
                     row_scale_ptr, range_ptr, shared_ids_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin,
                     row_end, col_begin, col_end, num_anchors, dim, alpha, beta, base, epsilon,
                     MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr,
-                    ONE_LIFT: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
+                    BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                     RANGE_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in _grad_kernel; the rows of a are
     anchors, and so are b's when B_ANCHORS), lifted, written in the input dtype to
     w[rows - row_begin, cols - col_begin] for cuBLAS products (`Product`), the columns up to the
-    buffer's padded row length w_stride. The lift: each row's (row_scale[rows]), or with ONE_LIFT one
-    for all (row_scale[0]; the self case's triangle, where a weight enters a product from either side:
+    buffer's padded row length w_stride. The lift: each row's (row_scale[rows]), and with BOTH_LIFTS
+    each column's too (the self case's triangle, where a weight enters a product from either side:
     `_chunked_plan`). COPY (a reference set that takes a gradient): H times the reference rows' one
     lift (copy_scale) too, to copy_ptr at the same place, for dref. Grid: (column blocks, row blocks),
     the longer axis first (CUDA allows 65535 on the second).
@@ -622,14 +628,14 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
             _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
                           row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
-                          MINING, SKIP_INCOMPLETE, B_ANCHORS, ONE_LIFT, COPY, False, BLOCK_M, BLOCK_N,
+                          MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, BLOCK_M, BLOCK_N,
                           BLOCK_K, UPCAST, PRECISION)
     else:
         cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
                       row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                       row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
-                      MINING, SKIP_INCOMPLETE, B_ANCHORS, ONE_LIFT, COPY, LABEL_ORDER, BLOCK_M, BLOCK_N,
+                      MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, BLOCK_M, BLOCK_N,
                       BLOCK_K, UPCAST, PRECISION)
 
 
@@ -711,6 +717,17 @@ class Unlift(NamedTuple):
 
     def __call__(self):
         torch.div(self.norm, self.lift[:, None], out=self.out)
+
+
+class Unlifted(NamedTuple):
+    """A step of the chunked backward's triangle, after _scales_kernel: out = x / lift, row by row (in
+    x's dtype, exact: the lifts are powers of 2 up to 2^7), the operand of both of its products."""
+    out: torch.Tensor
+    x: torch.Tensor
+    lift: torch.Tensor
+
+    def __call__(self):
+        torch.div(self.x, self.lift[:, None], out=self.out)
 
 
 class Reorder(NamedTuple):
@@ -1181,16 +1198,16 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     label_order_flags = dict(LABEL_ORDER=ref is None, CHECK_IDS=ref is None and ids is not None)
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
-    one_lift = copy or triangle  # rows of many anchors' weights (dref; the triangle of _chunked_plan)
     column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
-                   if one_lift else norm)  # (else never read: any pointer will do)
+                   if copy else norm)  # (dref's one lift for the rows of all anchors' weights; else never read)
     block = 1024
     scales = Launch(_scales_kernel, (_cdiv(num_x, block),),
                     dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0),  # ("mean": one value, expanded)
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
                          epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
-                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=one_lift, BLOCK=block),
+                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy, HALF_LIFT=triangle,
+                         BLOCK=block),
                     4, 1)
     shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
                   epsilon=epsilon)
@@ -1198,7 +1215,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
                             b_ids_ptr=b_ids, copy_scale_ptr=column_lift, **label_order)
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
-                     ONE_LIFT=triangle, COPY=copy, **label_order_flags)
+                     BOTH_LIFTS=triangle, COPY=copy, **label_order_flags)
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
                                                 anchor_scale, column_lift, scales)
         if order is not None:
@@ -1249,30 +1266,35 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     """backward_plan's result for the chunked backward: _weights_kernel writes the lifted pair weights
     of a chunk (`_chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
     buffers within the budget and reused by every chunk.
-    Self case, the triangle (tiles["ONE_LIFT"]): H is symmetric (H_pq = H_qp), so chunk [r0, r1) of
+    Self case, the triangle (tiles["BOTH_LIFTS"]): H is symmetric (H_pq = H_qp), so chunk [r0, r1) of
     the anchor rows computes only its columns from r0 on (`_triangle_chunks`): dx[r0:r1] +=
     H[r0:r1, r0:] @ x[r0:], and the part right of its own square gives the later rows' share,
     dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1]. S costs half a GEMM-equivalent plus half of each chunk's
     square, where all columns would cost one; the products still one, but the second reads and
     writes all later rows of dx once per chunk, memory-bound for short chunks: so the triangle
     needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
-    there, so the weights take one lift, the anchors' smallest (column_lift; as a reference set's
-    rows for dref). Otherwise: chunks of whole rows, each writing its rows of dx once.
+    there, so H_pq is lifted by both ends' lifts, l_p l_q (`_scales_kernel`'s HALF_LIFT: about the
+    square roots of the rows' own), and both products take the rows of x divided by theirs
+    (`Unlifted`): (H L) (L^-1 x) row by row, unlifted by each output row's own, which keeps every
+    row's precision (a single lift for all lost it for anchors whose grad_output is far below the
+    largest). Otherwise: chunks of whole rows, each writing its rows of dx once.
     Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = _split(tiles)
-    (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["ONE_LIFT"]
+    (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
     size = max([(row_end - row_begin) * _padded(col_end - col_begin)
                 for (row_begin, row_end), (col_begin, col_end) in rectangles], default=0)
     buffer = a.new_empty(size)  # each chunk's weights a [rows, _padded(columns)] view of it
     copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
-    row_lift = column_lift if triangle else lift  # (the triangle's one lift: the kernel reads row_lift[0])
-    unlift, unlift_ref = norm.new_empty(row_lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
-    steps = [scales, Unlift(unlift, norm, row_lift)]
+    unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
+    steps = [scales, Unlift(unlift, norm, lift)]
+    if triangle:  # the rows of x that enter both products, each divided by its lift
+        steps.append(Unlifted(torch.empty_like(b), b, lift))
+        b = steps[-1].out
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
@@ -1280,7 +1302,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         assert not tiles["LABEL_ORDER"] or row_begin % range_tiles["BLOCK_M"] == 0
         w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
         grid = (_cdiv(cols, tiles["BLOCK_N"]), _cdiv(rows, tiles["BLOCK_M"]))
-        args = dict(weights_args, row_scale_ptr=row_lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
+        args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
         steps.append(Launch(_weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
                             stages))  # (identities: the range launch's)
@@ -1289,10 +1311,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             steps.append(Launch(_weights_kernel, (RANGE_PROGRAMS, _cdiv(rows, range_config["BLOCK_M"])), args,
                                 dict(tiles, **range_config, RANGE_TILES=True), range_warps, range_stages))
         if triangle:
-            steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift,
+            steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift[row_begin:row_end],
                                  accumulate=chunk > 0))
             if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
-                steps.append(Product(w[:, rows:cols].T, a[row_begin:row_end], grad_x[row_end:], unlift,
+                steps.append(Product(w[:, rows:cols].T, b[row_begin:row_end], grad_x[row_end:], unlift[row_end:],
                                      accumulate=chunk > 0))
             continue
         steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x[row_begin:row_end], unlift[row_begin:row_end],
