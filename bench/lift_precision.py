@@ -1,5 +1,6 @@
-"""How much precision the chunked Triton backward's float16 pair weights keep when the self case's
-triangle takes one lift for all rows instead of each row's own (triton_kernels/ms_loss.py:
+"""How much precision the chunked Triton backward's float16 pair weights kept when the self case's
+triangle took one lift for all rows instead of each row's own (its design before the two-sided lifts
+of triton_kernels/ms_loss.py:
 _scales_kernel, _chunked_plan). A float64 simulation on CPU, no GPU or Triton needed: P x M
 batches (M = 4) of unit rows, mining off (weights spread over all B - 4 negatives, the case that
 pushes them towards float16's subnormals), the anchors' statistics from all pairs, then for sample
@@ -7,7 +8,7 @@ rows i the row of H (both anchors' terms, H_ij = scale_i G_ij + scale_j G_ji), l
 float16, multiplied by the float16 rows of x and unlifted, as the kernels and cuBLAS do. Printed:
 the relative error of dx_i (2-norm) against the same product with unrounded weights, for each
 row's own lift ("own", what the fused kernels and whole-row chunks use) and for the one lift
-("one", the triangle's: the smallest anchor lift). Scenarios: "mean" (every grad_output equal),
+("one", the triangle's former: the smallest anchor lift). Scenarios: "mean" (every grad_output equal),
 random grad_outputs, and 16 anchors at 1 with the rest at 1e-3.
     python bench/lift_precision.py --batch 65536
 """

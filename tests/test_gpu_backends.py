@@ -639,8 +639,8 @@ def test_float16_weights_keep_their_precision_row_by_row(target):
 @pytest.mark.parametrize("chunk_mib", ["0", "1e-6"])  # the fused backward; the chunked one, the self case's triangle
 def test_float16_weights_keep_their_precision_under_a_tiny_grad_output(monkeypatch, chunk_mib):
     """grad_output 1e-6 for every anchor: the lifts must take each row's float16 weights (about 1/200)
-    back towards 1, whatever the grad_output's scale (in the triangle one lift for all rows, the
-    anchors' smallest). Compared before the gradient is rounded to float16 (where 1e-6 x S would be
+    back towards 1, whatever the grad_output's scale (in the triangle each weight takes both its
+    anchors' lifts). Compared before the gradient is rounded to float16 (where 1e-6 x S would be
     subnormal): the backward plan's float32 dx against the float64 reference."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
     gen = torch.Generator().manual_seed(17)

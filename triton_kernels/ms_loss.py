@@ -436,7 +436,7 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     weights: the smallest anchor lift, at most LIFT_WITH_COLUMN_ANCHORS (an atomic minimum into
     column_lift_ptr, which starts there: the same result in any order). HALF_LIFT (the self case's
     triangle, where each weight takes its row's and its column's lift: `_chunked_plan`): the power of
-    2 at or below the lift's square root, at most sqrt(max_lift)."""
+    2 at or below the lift's square root, at most max_lift (TRIANGLE_LIFT)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_anchors
     scale = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
@@ -449,7 +449,7 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     exponent = tl.where(counted > 0, tl.floor(-bound), 64.0)
     exponent = tl.where(exponent == exponent, tl.minimum(tl.maximum(exponent, 0.0), 64.0), 64.0)  # NaN: 64
     if HALF_LIFT:
-        lift = tl.minimum(tl.exp2(tl.floor(exponent * 0.5)), tl.sqrt(max_lift))
+        lift = tl.minimum(tl.exp2(tl.floor(exponent * 0.5)), max_lift)
     else:
         lift = tl.minimum(tl.exp2(exponent), max_lift)
     tl.store(scale_ptr + i, scale, mask=ok)
@@ -720,8 +720,10 @@ class Unlift(NamedTuple):
 
 
 class Unlifted(NamedTuple):
-    """A step of the chunked backward's triangle, after _scales_kernel: out = x / lift, row by row (in
-    x's dtype, exact: the lifts are powers of 2 up to 2^7), the operand of both of its products."""
+    """A step of the chunked backward's triangle, after _scales_kernel: out = x / lift, row by row in
+    x's dtype, the operand of both of its products. The lifts are powers of 2 up to TRIANGLE_LIFT,
+    so this is exact but where float16 values fall below its normal range (|x| < 2^-7 at 2^7): for
+    unit rows of D = 512 at most 3.4e-5 of a row's scale, for rows of norm 0.01 about 5e-3."""
     out: torch.Tensor
     x: torch.Tensor
     lift: torch.Tensor
@@ -996,6 +998,9 @@ def _capability(device):
 RANGE_PROGRAMS = 4  # the chunked backward's programs per row block for its positive range: the tiles of
 # a P x M batch's range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
+# the most each end of a weight is lifted in the chunked triangle (a weight then stays <= 2^8; the
+# rows of x are divided by it, and a larger one would push more of them below float16's normals)
+TRIANGLE_LIFT = 2.0 ** 7
 
 
 def column_splits(row_programs, num_cols, block_n, multiprocessors):
@@ -1205,7 +1210,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                     dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0),  # ("mean": one value, expanded)
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
-                         epsilon=epsilon, max_lift=LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
+                         epsilon=epsilon, max_lift=TRIANGLE_LIFT if triangle else
+                         LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy, HALF_LIFT=triangle,
                          BLOCK=block),
                     4, 1)
@@ -1274,10 +1280,12 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     writes all later rows of dx once per chunk, memory-bound for short chunks: so the triangle
     needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
     there, so H_pq is lifted by both ends' lifts, l_p l_q (`_scales_kernel`'s HALF_LIFT: about the
-    square roots of the rows' own), and both products take the rows of x divided by theirs
-    (`Unlifted`): (H L) (L^-1 x) row by row, unlifted by each output row's own, which keeps every
-    row's precision (a single lift for all lost it for anchors whose grad_output is far below the
-    largest). Otherwise: chunks of whole rows, each writing its rows of dx once.
+    square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
+    divided by theirs (`Unlifted`): (H L) (L^-1 x) row by row, unlifted by each output row's own. A
+    single lift for all rows (the anchors' smallest) lost the precision of anchors whose
+    grad_output is far below the largest; the two-sided lifts keep most of it, but at most 2^14
+    together where whole rows lift a row up to 2^14 alone. Otherwise: chunks of whole rows, each
+    writing its rows of dx once.
     Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
