@@ -138,6 +138,27 @@ def test_a_memory_bank_matches_reference(target, dtype, mining, reduction):
     assert len(ref_grads) == 1 and ref_grads[0].abs().sum() > 0
 
 
+def chunk_choices(monkeypatch, triangle_rows=None):
+    """[(chunks, triangle)] of every chunked backward plan made after this (`_chunk_rectangles`); with
+    triangle_rows, the tile table's TRIANGLE_ROWS replaced by it (10 ** 9: whole rows; 1: the
+    triangle at any chunk height, where a GPU's table asks for 1024 rows)."""
+    kernels = triton_kernels.ms_loss
+    shipped_config, shipped_rectangles, chosen = kernels.tile_config, kernels._chunk_rectangles, []
+
+    def config(kind, *args, **kwargs):
+        config = shipped_config(kind, *args, **kwargs)
+        return dict(config, TRIANGLE_ROWS=triangle_rows) if kind == "weights" else config
+
+    def rectangles(*args):
+        chosen.append(shipped_rectangles(*args))
+        return chosen[-1]
+
+    if triangle_rows is not None:
+        monkeypatch.setattr(kernels, "tile_config", config)
+    monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
+    return chosen
+
+
 @pytest.mark.skipif(**TRITON_MISSING)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("mining", [True, False])
@@ -146,18 +167,7 @@ def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtyp
     """Chunks shorter than TRIANGLE_ROWS take whole rows (each row of dx written once, each row's own
     lift): several chunks of one tile row each, where the triton_chunked target runs the triangle."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
-    kernels = triton_kernels.ms_loss
-    shipped, shipped_rectangles, chosen = kernels.tile_config, kernels._chunk_rectangles, []
-
-    def no_triangle(kind, *args, **kwargs):
-        return dict(shipped(kind, *args, **kwargs), **({"TRIANGLE_ROWS": 10 ** 9} if kind == "weights" else {}))
-
-    def rectangles(*args):
-        chosen.append(shipped_rectangles(*args))
-        return chosen[-1]
-
-    monkeypatch.setattr(kernels, "tile_config", no_triangle)
-    monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
+    chosen = chunk_choices(monkeypatch, triangle_rows=10 ** 9)
     target = Target("triton_chunked", "triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
                     torch.ops.ms_loss_cuda.triton_backward.default, True)
     check(target, build_case("self", 200, 130, dtype), dtype, reduction, mining=mining)
@@ -670,18 +680,7 @@ def test_float16_weights_of_a_group_with_tiny_grad_outputs_keep_their_precision(
     several chunks: B above about 11,600 at the default 256 MiB), whose weights take both ends' lifts."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0" if form == "fused" else "1e-6")
     kernels = triton_kernels.ms_loss
-    if form != "fused":  # whole rows, or the triangle at any chunk height (a GPU's table asks for 1024 rows)
-        shipped, triangle_rows = kernels.tile_config, 10 ** 9 if form == "whole_rows" else 1
-        monkeypatch.setattr(kernels, "tile_config", lambda kind, *args, **kwargs: dict(
-            shipped(kind, *args, **kwargs), **({"TRIANGLE_ROWS": triangle_rows} if kind == "weights" else {})))
-    shipped_rectangles, triangles = kernels._chunk_rectangles, []
-
-    def rectangles(*args):
-        chosen = shipped_rectangles(*args)
-        triangles.append(chosen[1])
-        return chosen
-
-    monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
+    chosen = chunk_choices(monkeypatch, {"fused": None, "whole_rows": 10 ** 9, "triangle": 1}[form])
     gen, n = torch.Generator().manual_seed(3), 100
     x = torch.zeros(2 * n, 64, dtype=torch.float64)
     for group, columns in enumerate((slice(0, 32), slice(32, 64))):  # each around a centre of its own
@@ -699,7 +698,7 @@ def test_float16_weights_of_a_group_with_tiny_grad_outputs_keep_their_precision(
                           reduction="none", mining=False, normalize=False, beta=50.0)[1][0]
     error = (dx - want).abs().amax(dim=1) / want.abs().amax(dim=1)
     assert error.max() < 4e-3, f"worst row {error.argmax().item()}: {error.max().item():.2e} of its own scale"
-    assert triangles == ([] if form == "fused" else [form == "triangle"])
+    assert [triangle for _, triangle in chosen] == ([] if form == "fused" else [form == "triangle"])
 
 
 @pytest.mark.skipif(triton_kernels is None, reason="needs Triton")

@@ -709,27 +709,18 @@ class Launch(NamedTuple):
 
 
 class Unlift(NamedTuple):
-    """A step of the chunked backward, after _scales_kernel: out [n, 1] = norm / lift, what takes the
-    products of lifted weights back (`Product`): one lift per row, or one for all ([1, 1])."""
+    """A step of the chunked backward, after _scales_kernel: out = numerator / lift, row by row. With
+    numerator norm, out [n, 1] takes the products of lifted weights back (`Product`): one lift per
+    row, or one for all ([1, 1]). In the triangle also the rows of x that enter both of its
+    products, in x's dtype: the lifts are powers of 2 up to TRIANGLE_LIFT, so that is exact but
+    where float16 values fall below its normal range (|x| < 2^-7 at 2^7): for unit rows of D = 512
+    at most 3.4e-5 of a row's scale, for rows of norm 0.01 about 5e-3."""
     out: torch.Tensor
-    norm: torch.Tensor
+    numerator: torch.Tensor
     lift: torch.Tensor
 
     def __call__(self):
-        torch.div(self.norm, self.lift[:, None], out=self.out)
-
-
-class Unlifted(NamedTuple):
-    """A step of the chunked backward's triangle, after _scales_kernel: out = x / lift, row by row in
-    x's dtype, the operand of both of its products. The lifts are powers of 2 up to TRIANGLE_LIFT,
-    so this is exact but where float16 values fall below its normal range (|x| < 2^-7 at 2^7): for
-    unit rows of D = 512 at most 3.4e-5 of a row's scale, for rows of norm 0.01 about 5e-3."""
-    out: torch.Tensor
-    x: torch.Tensor
-    lift: torch.Tensor
-
-    def __call__(self):
-        torch.div(self.x, self.lift[:, None], out=self.out)
+        torch.div(self.numerator, self.lift[:, None], out=self.out)
 
 
 class Reorder(NamedTuple):
@@ -1281,7 +1272,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
     there, so H_pq is lifted by both ends' lifts, l_p l_q (`_scales_kernel`'s HALF_LIFT: about the
     square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
-    divided by theirs (`Unlifted`): (H L) (L^-1 x) row by row, unlifted by each output row's own. A
+    divided by theirs (`Unlift`): (H L) (L^-1 x) row by row, unlifted by each output row's own. A
     single lift for all rows (the anchors' smallest) lost the precision of anchors whose
     grad_output is far below the largest; the two-sided lifts keep most of it, but at most 2^14
     together where whole rows lift a row up to 2^14 alone. Otherwise: chunks of whole rows, each
@@ -1301,8 +1292,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
     steps = [scales, Unlift(unlift, norm, lift)]
     if triangle:  # the rows of x that enter both products, each divided by its lift
-        steps.append(Unlifted(torch.empty_like(b), b, lift))
-        b = steps[-1].out
+        steps.append(Unlift(torch.empty_like(a), a, lift))
+        a_unlifted = steps[-1].out
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
@@ -1319,11 +1310,11 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             steps.append(Launch(_weights_kernel, (RANGE_PROGRAMS, _cdiv(rows, range_config["BLOCK_M"])), args,
                                 dict(tiles, **range_config, RANGE_TILES=True), range_warps, range_stages))
         if triangle:
-            steps.append(Product(w[:, :cols], b[col_begin:], grad_x[row_begin:row_end], unlift[row_begin:row_end],
-                                 accumulate=chunk > 0))
+            steps.append(Product(w[:, :cols], a_unlifted[col_begin:], grad_x[row_begin:row_end],
+                                 unlift[row_begin:row_end], accumulate=chunk > 0))
             if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
-                steps.append(Product(w[:, rows:cols].T, b[row_begin:row_end], grad_x[row_end:], unlift[row_end:],
-                                     accumulate=chunk > 0))
+                steps.append(Product(w[:, rows:cols].T, a_unlifted[row_begin:row_end], grad_x[row_end:],
+                                     unlift[row_end:], accumulate=chunk > 0))
             continue
         steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x[row_begin:row_end], unlift[row_begin:row_end],
                              accumulate=col_begin > 0))
