@@ -5,8 +5,9 @@ and column splits (B = 97, R = 151, D = 130), and the self case with identities 
 blocks (B = 300: the forward skips each block's positive range and compares the identities): some
 shared by rows of different labels (self_ids: the flag that makes every tile compare them) and all
 distinct (self_distinct_ids: the label-free tiles of the backward's label order). The triton backend
-runs each case twice: with its fused backward and with its chunked one (one tile row or column of
-weights per chunk). Exits non-zero when a result is not finite.
+runs each case three times: with its fused backward, with its chunked one (one tile row or column of
+weights per chunk), and with the self case's triangle at any chunk height (B = 300: chunks of one
+row block, both ends' lifts). Exits non-zero when a result is not finite.
 Usage: python bench/gpu_sanitize.py --backend triton|cuda
 """
 import argparse
@@ -16,20 +17,32 @@ import os
 import torch
 
 import ms_loss_cuda
+from ms_loss_cuda.triton_kernels import ms_loss as triton_kernels
+
+SHIPPED_TILES = triton_kernels.tile_config
+
+
+def triangle_at_any_height(kind, *args, **kwargs):
+    """The tile table with the self case's triangle taken however short its chunks (TRIANGLE_ROWS)."""
+    config = SHIPPED_TILES(kind, *args, **kwargs)
+    return dict(config, TRIANGLE_ROWS=1) if kind == "weights" else config
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True, choices=("triton", "cuda"))
     args = parser.parse_args()
-    backwards = ("fused", "chunked") if args.backend == "triton" else ("fused",)
+    backwards = ("fused", "chunked", "triangle") if args.backend == "triton" else ("fused",)
     gen = torch.Generator().manual_seed(0)
     batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for case in ("self", "ref", "bank", "self_ids", "self_distinct_ids"):
             for mining, backward in itertools.product((True, False), backwards):
+                if backward == "triangle" and not case.endswith("ids"):  # (97 rows: one chunk; a reference set: none)
+                    continue
                 # (the chunked backward at 1 byte of weights: one tile row or column a chunk)
-                os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "1e-6" if backward == "chunked" else "0"
+                os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "0" if backward == "fused" else "1e-6"
+                triton_kernels.tile_config = triangle_at_any_height if backward == "triangle" else SHIPPED_TILES
                 rows = 300 if case.endswith("ids") else batch
                 x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
                 labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()

@@ -35,10 +35,13 @@ def import_checkout(root):
 
 
 def revision(root):
-    """The checkout's commit, and whether it has uncommitted changes."""
+    """The checkout's commit, and whether it has uncommitted changes; "no git checkout" for a tree that
+    is not a repository's root (a `git archive` unpacked inside another one reads that one's)."""
     def git(*command):
         return subprocess.run(["git", "-C", root, *command], capture_output=True, text=True).stdout.strip()
 
+    if os.path.realpath(git("rev-parse", "--show-toplevel") or "/nonexistent") != os.path.realpath(root):
+        return "no git checkout"
     return f"commit {git('rev-parse', '--short', 'HEAD') or '?'}" + (" + uncommitted changes" if git(
         "status", "--porcelain", "--untracked-files=no") else "")
 

@@ -1,12 +1,15 @@
 """Where one forward+backward step's time goes on a GPU: each kernel's device time per step (torch
 profiler), their sum, the step's wall time, so launch overhead and host syncs show as the gap, the
 host's time to issue a step (from an idle GPU until the step returns, median of --steps), and the
-host ops that take most of it (their own CPU time under the profiler).
+host ops that take most of it (their own CPU time under the profiler); --cprofile N: also the N
+Python functions with the most own time in --steps steps (cProfile), where the host's Python goes.
     python bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --providers triton cuda
 Shapes: B (self case) or BxR (B anchors against a memory bank of R rows). Data as bench/benchmark.py
 (P x M batches, typical hardness).
 """
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -23,6 +26,7 @@ def main():
     parser.add_argument("--providers", nargs="+", default=["triton"])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     for shape in args.shapes:
         batch, _, ref_rows = shape.partition("x")
@@ -59,6 +63,16 @@ def main():
             print(f"  host, self CPU time a step (profiled): {total:.3f} ms")
             for e in host_ops[:12]:
                 print(f"  {e.self_cpu_time_total / args.steps / 1e3:8.3f} ms  x{e.count // args.steps:<3} {e.key[:90]}")
+            if args.cprofile:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(args.steps):
+                    x.grad = None
+                    step(x)
+                profiler.disable()
+                torch.cuda.synchronize()
+                print(f"  Python functions by own time, {args.steps} steps (cProfile):")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ class Chunked(NamedTuple):
 
 
 # timed beside the fused backward entries
-CHUNKED = {"16-bit": [Chunked(64), Chunked(16), Chunked(32), Chunked(256), Chunked(64, (64, 64, 64, 4, 3)),
-                      Chunked(64, (128, 64, 64, 8, 3))],
+CHUNKED = {"16-bit": [Chunked(256), Chunked(64), Chunked(256, (128, 32, 32, 8, 4)), Chunked(256, (128, 32, 32, 4, 4)),
+                      Chunked(256, (128, 32, 64, 8, 3)), Chunked(256, (64, 64, 32, 4, 4))],
            "float32": [Chunked(64), Chunked(256)]}
 SHIPPED = tk.tile_config
 # (B, R, the reference set takes a gradient): the self case, for the first dtype also a memory bank and
@@ -72,8 +72,12 @@ def override(kind, values, table=SHIPPED):
 
 
 def chunked(mib, tiles, table=SHIPPED):
-    """`table` with the chunked backward of `Chunked(mib, tiles)`."""
-    table = override("weights", tiles, table) if tiles else table
+    """`table` with the chunked backward of `Chunked(mib, tiles)` (the tiles of its triangle too)."""
+    if tiles:
+        weights = override("weights", tiles, table)
+        triangle = dict(zip(tile_names("weights"), tiles))
+        table = lambda kind, *args, **kwargs: dict(weights(kind, *args, **kwargs),  # noqa: E731
+                                                    **({"TRIANGLE_TILES": triangle} if kind == "weights" else {}))
     return lambda kind, *args, **kwargs: dict(table(kind, *args, **kwargs),
                                               **({"CHUNK_BYTES": mib << 20} if kind == "backward" else {}))
 

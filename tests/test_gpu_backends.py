@@ -393,6 +393,7 @@ def test_opcheck(target, case):
     torch.library.opcheck(target.backward, (torch.rand_like(loss), stats.detach()) + detached)
 
 
+@pytest.mark.skipif(ops.LOAD_ERROR is not None, reason="compares with the built extension's CPU kernel")
 @pytest.mark.parametrize("case", ["ref_ids", "separated"])
 def test_saves_the_cpu_kernels_statistics(target, case):
     if target.name == "cpu":

@@ -46,13 +46,13 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified: on an H100 (torch 2.11, triton 3.6; bench/gpu_check.sh), the build of 2026-11-25 before
-the self case kept its label order in the stats and the kernels took literal constants (those
-changes: interpreted and compiled only): the parity suite against the float64 reference on CUDA
-tensors (TF32 too; the fused and the chunked backward each as a target), compute-sanitizer memcheck
-and synccheck on both backwards (racecheck clean on the 2026-11-22 build), timings in
-bench/results/gpu/: the chunked backward 2.0-3.8x faster than the fused one, so a GPU's default. The
-sm_80 entries of the tile table have only been compiled. Without a GPU: the same suite under
+Verified on GPUs (torch 2.11, triton 3.6): this build on an H200 (2026-11-26): the parity suite
+against the float64 reference on CUDA tensors (TF32 too; the fused and the chunked backward each as
+a target, the triangle's two-sided lifts by the precision test), compute-sanitizer memcheck on the
+fused, chunked and triangle backwards, timings in bench/results/gpu/h200/. Earlier builds on an H100
+(2026-11-22 to 25): the same suite, memcheck, synccheck and racecheck, and the timings that made the
+chunked backward (2.0-3.8x faster than the fused one) a GPU's default. The sm_80 entries of the tile
+table have only been compiled. Without a GPU: the same suite under
 TRITON_INTERPRET=1 on CPU tensors (tests/test_gpu_backends.py, the chunked backward as a target of
 its own), and the PTX/ptxas facts of every shipped configuration and of the chunked backward's
 kernel compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
@@ -830,6 +830,11 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     16-bit: with the anchor statistics of both ends, 128 x 128 spills on sm_90 (84 bytes with Triton
     3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 127 registers with 3.6
     (two 8-warp programs a multiprocessor; 130 with K steps of 64 and 3 stages) and 194 with 3.9.
+    Its TRIANGLE_TILES: the self case's triangle, whose weights take both ends' lifts: with the
+    columns' lifts 128 x 64 takes 141 registers (3.6, sm_90), one program a multiprocessor, and
+    its weights took 1.14 ms at B = 16384 against 0.87 with one lift (H200, 2026-11-26, float16);
+    64 x 64 tiles of 4 warps (142 registers, three programs) brought the chunked backward from
+    1.67 to 1.47 ms, the single lift's time on the H100 (bench/results/gpu/tune-weights-float16.json).
     Its RANGE_TILES: the tiles of the launch that rewrites the self case's positive ranges with
     classified weights (`_weights_kernel`): 64 x 64, 8 warps, one stage, no spills on sm_80 or sm_90
     for any dtype (at 128 rows, or with more stages, they spill under Triton 3.9).
@@ -848,6 +853,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
         config["TRIANGLE_ROWS"] = config["BLOCK_M"] if interpret else 1024
+        config["TRIANGLE_TILES"] = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4)
+                                    if dtype != torch.float32 and not interpret else {})
         config["RANGE_TILES"] = (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=config["BLOCK_K"], num_warps=4, num_stages=1)
                                  if interpret else
                                  dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_warps=8,
@@ -1176,8 +1183,11 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if chunk_bytes:
         tiles = tile_config("weights", a.dtype, dim, interpret, capability)
         triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
+        triangle_tiles = tiles.pop("TRIANGLE_TILES", {})
         rectangles, triangle = _chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
                                                  a.element_size() * (1 + copy), chunk_bytes, triangle_rows)
+        if triangle and tiles["BLOCK_M"] % triangle_tiles.get("BLOCK_M", 1) == 0:  # (its chunks are whole blocks)
+            tiles.update(triangle_tiles)
     order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
     if ref is None:
         # the self case runs in label order: a tile beside its row block's positive range holds negatives
