@@ -348,7 +348,7 @@ def shape_name(batch, ref):
 def table(rows, shapes, providers, time_key="seconds"):
     """Markdown table: time, TFLOP/s (CUDA) and peak extra memory per provider and shape, then each
     fused backend against the yardstick (floor on CPU, matmul4 on CUDA) and pml against it.
-    time_key="back_to_back_seconds": the time a step of steps issued back to back (CUDA), alone."""
+    time_key="back_to_back_seconds": the times alone, of steps issued back to back (CUDA)."""
     by = {(r["provider"], r["batch"], r["ref"]): {**r, "seconds": r.get(time_key)} for r in rows}
 
     def cell(r):

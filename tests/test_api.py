@@ -154,10 +154,10 @@ def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):
     assert api._resolve_backend("auto", cuda, torch.float64) == "reference"
 
 
-@pytest.mark.skipif("triton" not in available_backends(), reason="needs Triton (or its interpreter)")
 def test_triton_needs_a_gpu_of_compute_capability_8(monkeypatch):
     """Triton supports GPUs of compute capability 8.0 and up; below (V100, T4) its 16-bit kernels
     compile without tensor-core instructions and spill, so "auto" must not pick it there."""
+    pytest.importorskip("triton")
     from ms_loss_cuda import loss as api
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -241,7 +241,10 @@ def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatc
         torch.autograd.grad(grad.square().sum(), x)
 
 
-@pytest.mark.skipif("triton" not in available_backends(), reason="needs Triton (or its interpreter)")
+GPU = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on CPU, Triton's interpreter)
+
+
+@pytest.mark.skipif("triton" not in available_backends(GPU), reason="needs Triton (or its interpreter)")
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, monkeypatch):
     """A backward taken inside autocast: the chunked form's cuBLAS products of float32 weights stay
@@ -251,10 +254,11 @@ def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, mo
     ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
     grads = []
     for dtype, backend in ((torch.float32, "triton"), (torch.float64, "reference")):
-        leaf = x.to(dtype).requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backend == "triton"):
-            loss = multi_similarity_loss(leaf, labels, ref_embeddings=None if ref is None else ref.to(dtype),
-                                         ref_labels=ref_labels, backend=backend)
+        leaf = x.to(GPU, dtype).requires_grad_()
+        with torch.autocast(GPU.type, dtype=torch.float16 if GPU.type == "cuda" else torch.bfloat16,
+                            enabled=backend == "triton"):
+            loss = multi_similarity_loss(leaf, labels.to(GPU), ref_labels=None if ref is None else ref_labels.to(GPU),
+                                         ref_embeddings=None if ref is None else ref.to(GPU, dtype), backend=backend)
             grads += torch.autograd.grad(loss, leaf)
     torch.testing.assert_close(grads[0].double(), grads[1], rtol=1e-5, atol=1e-6 * grads[1].abs().max().item())
 

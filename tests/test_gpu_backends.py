@@ -456,10 +456,12 @@ def test_the_triton_self_case_keeps_its_label_order_for_the_backward(labels_dtyp
 def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capability, chunk_mib):
     """The interpreter's own tiles are small (tile_config); here the kernels run on the tiles a GPU of
     that capability gets, at B = 300 (row blocks of 128 in the forward, whose reference-set positive
-    lists take seven halvings to search; the range launch's 64 rows under the weights' 128)."""
+    lists take seven halvings to search; the range launch's 64 rows under the weights' 128; the self
+    case's chunks in the triangle, on its own tiles, at any height)."""
     shipped = triton_kernels.ms_loss.tile_config
     monkeypatch.setattr(triton_kernels.ms_loss, "tile_config",
                         lambda kind, tile_dtype, dim, *_: shipped(kind, tile_dtype, dim, False, capability))
+    chosen = chunk_choices(monkeypatch, triangle_rows=1)
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
     kwargs = build_case("ref_ids" if case == "memory_bank" else case, 300, 64, torch.float64, seed=14)
     for key in ("embeddings", "ref_embeddings"):  # unit rows, exactly representable in `dtype`
@@ -467,6 +469,7 @@ def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capa
             kwargs[key] = F.normalize(kwargs[key], dim=1).to(dtype)
     check_against_reference("triton", kwargs, dtype, "none", device=DEVICE, rtol=TOLERANCE[dtype],
                             ref_grad=case != "memory_bank", normalize=False)
+    assert all(triangle == (case == "self_ids") for _, triangle in chosen)
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
