@@ -241,10 +241,10 @@ def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatc
         torch.autograd.grad(grad.square().sum(), x)
 
 
-GPU = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on CPU, Triton's interpreter)
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on CPU: the interpreter)
 
 
-@pytest.mark.skipif("triton" not in available_backends(GPU), reason="needs Triton (or its interpreter)")
+@pytest.mark.skipif("triton" not in available_backends(TRITON_DEVICE), reason="needs Triton (or its interpreter)")
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, monkeypatch):
     """A backward taken inside autocast: the chunked form's cuBLAS products of float32 weights stay
@@ -252,13 +252,13 @@ def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, mo
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")
     x, labels = make_batch(37, 16, 5, dtype=torch.float32)
     ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
-    grads = []
+    grads, device = [], TRITON_DEVICE
     for dtype, backend in ((torch.float32, "triton"), (torch.float64, "reference")):
-        leaf = x.to(GPU, dtype).requires_grad_()
-        with torch.autocast(GPU.type, dtype=torch.float16 if GPU.type == "cuda" else torch.bfloat16,
+        leaf = x.to(device, dtype).requires_grad_()
+        with torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16,
                             enabled=backend == "triton"):
-            loss = multi_similarity_loss(leaf, labels.to(GPU), ref_labels=None if ref is None else ref_labels.to(GPU),
-                                         ref_embeddings=None if ref is None else ref.to(GPU, dtype), backend=backend)
+            loss = multi_similarity_loss(leaf, labels.to(device), ref_labels=None if ref is None else ref_labels.to(device),
+                                         ref_embeddings=None if ref is None else ref.to(device, dtype), backend=backend)
             grads += torch.autograd.grad(loss, leaf)
     torch.testing.assert_close(grads[0].double(), grads[1], rtol=1e-5, atol=1e-6 * grads[1].abs().max().item())
 

@@ -714,7 +714,8 @@ class Unlift(NamedTuple):
     row, or one for all ([1, 1]). In the triangle also the rows of x that enter both of its
     products, in x's dtype: the lifts are powers of 2 up to TRIANGLE_LIFT, so that is exact but
     where float16 values fall below its normal range (|x| < 2^-7 at 2^7): for unit rows of D = 512
-    at most 3.4e-5 of a row's scale, for rows of norm 0.01 about 5e-3."""
+    at most 3.4e-5 of a row's scale; bench/triangle_precision.py's rows of norm 1e-3 lose 1.1e-2
+    (1.2e-3 at norm 1e-2, 3.1e-4 in whole rows)."""
     out: torch.Tensor
     numerator: torch.Tensor
     lift: torch.Tensor
@@ -828,8 +829,9 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     when unset (`chunk_budget`).
     The weights kernel takes the forward's tiles, but 128 x 64 with K steps of 32 and 4 stages in
     16-bit: with the anchor statistics of both ends, 128 x 128 spills on sm_90 (84 bytes with Triton
-    3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 127 registers with 3.6
-    (two 8-warp programs a multiprocessor; 130 with K steps of 64 and 3 stages) and 194 with 3.9.
+    3.6, the GPU machines' version; 200-800 with 3.9), and 128 x 64 takes 128 registers with 3.6
+    in the self case's label order, 113 for a reference set (two 8-warp programs a multiprocessor;
+    recounted 2026-11-26) and 194 with 3.9.
     Its TRIANGLE_TILES: the self case's triangle, whose weights take both ends' lifts: with the
     columns' lifts 128 x 64 takes 141 registers (3.6, sm_90), one program a multiprocessor, and
     its weights took 1.14 ms at B = 16384 against 0.87 with one lift (H200, 2026-11-26, float16);
