@@ -10,7 +10,7 @@
 # D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32", the last float32 under
 # TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend,
 # of the same with its fused backward and of the cuda backend, against the step's wall time and host time;
-# bench/host_time.py: the host's time of a triton step, three ways; with BEFORE=another checkout,
+# bench/host_time.py: the host's time of a triton step, two ways; with BEFORE=another checkout,
 # bench/host_time_versus.py: this checkout's step and that one's, taking turns).
 # On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
 # too, about 1.5 minutes a dtype; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes;

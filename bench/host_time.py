@@ -1,10 +1,10 @@
 """The host's share of an eager step of the triton backend: the time Python, autograd and torch take
 to issue one forward+backward (from an idle device until the step returns). Side by side in one run,
-alternating: the shipped eager path (`eager`: a plain autograd.Function, the normalisation's two row
-kernels), the same with torch's normalisation ops (`eager-torch-norm`: what eager steps ran before
-the row kernels), and the custom ops that torch.compile traces, with torch's normalisation
-(`custom-ops`: what every eager step went through before that). Median of --steps steps per round;
-the spread over --rounds rounds. Each result counts the step's Triton launches and cuBLAS products.
+alternating: the shipped eager path (`eager`: one autograd node for the whole call, triton_kernels'
+eager_loss) and the custom ops that torch.compile traces, with torch's normalisation and reduction
+(`custom-ops`: what every eager step went through before the eager paths). Median of --steps
+steps per round; the spread over --rounds rounds (bench/host_time_versus.py compares two
+checkouts). Each result counts the step's Triton launches and cuBLAS products.
 --device cpu (default, no GPU needed): a stand-in for a GPU host's work. The GPU's launch plans
 (an H100's tiles, 132 multiprocessors, the chunked backward) are made for CPU tensors, and each
 launch goes through Triton's own launch path (argument binding, specialisation, cache lookup)
@@ -124,16 +124,15 @@ def main():
     args = parser.parse_args()
     import torch
     from benchmark import HARDNESS, make_inputs, step_function
-    from ms_loss_cuda import loss, ops, triton_kernels
+    from ms_loss_cuda import ops
     from ms_loss_cuda.triton_kernels import ms_loss as triton_ms_loss
 
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
         cpu_stand_in(triton_ms_loss, args.launches)
     launched = count_launches(triton_ms_loss)
-    shipped = (ops._traced, triton_kernels.unit_rows)
-    paths = {"eager": shipped, "eager-torch-norm": (ops._traced, loss.unit_rows),
-             "custom-ops": (lambda: True, triton_kernels.unit_rows)}  # (traced: torch's normalisation)
+    shipped = ops._traced
+    paths = {"eager": shipped, "custom-ops": lambda: True}  # (as if traced: the ops, torch's normalisation)
     results, counts = {}, {}
     for case, ref_rows in (("self", None), ("memory bank", args.ref_rows)):
         x, labels, ref, ref_labels = make_inputs(args.batch, args.dim, HARDNESS["typical"], ref_rows, args.device)
@@ -141,10 +140,10 @@ def main():
         step = step_function("triton", labels, ref, ref_labels)
         rounds = {path: [] for path in paths}
         for _ in range(args.rounds):
-            for path, (ops._traced, triton_kernels.unit_rows) in paths.items():
+            for path, ops._traced in paths.items():
                 host_time(step, x, 10, synchronize)  # warm-up
                 rounds[path].append(host_time(step, x, args.steps, synchronize))
-        ops._traced, triton_kernels.unit_rows = shipped
+        ops._traced = shipped
         results[case] = {path: [round(t * 1e3, 3) for t in times] for path, times in rounds.items()}
         launched.update(launches=0, launch_s=0.0, products=0)
         host_time(step, x, args.steps, synchronize)

@@ -121,13 +121,15 @@ def _check_embeddings(name, t):
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
-def _check_keys(name, t, rows, rows_name):
+def _check_keys(name, t, of_name, of):
+    """`t`: one integer key per row of the tensor `of` (named `of_name` in the error)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
-    if t.dim() != 1 or t.shape[0] != rows:
-        raise ValueError(f"{name} must have shape [{rows}] to match {rows_name}, got {tuple(t.shape)}")
+    if t.dim() != 1 or t.shape[0] != of.shape[0]:
+        raise ValueError(f"{name} must have shape [{of.shape[0]}] to match {of_name} {tuple(of.shape)}, "
+                         f"got {tuple(t.shape)}")
 
 
 def _check_hyper_parameters(alpha, beta, base, epsilon, reduction):
@@ -144,12 +146,12 @@ def _check_hyper_parameters(alpha, beta, base, epsilon, reduction):
 
 
 def _check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
+    """Every tensor's type and shape, and one device for all. (On every eager step: error messages are
+    only built on failure.)"""
     _check_embeddings("embeddings", embeddings)
-    batch = embeddings.shape[0]
-    _check_keys("labels", labels, batch, f"embeddings {tuple(embeddings.shape)}")
+    _check_keys("labels", labels, "embeddings", embeddings)
     if (ref_embeddings is None) != (ref_labels is None):
         raise ValueError("ref_embeddings and ref_labels must be given together")
-    named = {"embeddings": embeddings, "labels": labels}
     if ref_embeddings is not None:
         _check_embeddings("ref_embeddings", ref_embeddings)
         if ref_embeddings.shape[1] != embeddings.shape[1]:
@@ -157,21 +159,21 @@ def _check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
                 f"ref_embeddings {tuple(ref_embeddings.shape)} and embeddings "
                 f"{tuple(embeddings.shape)} must have the same D"
             )
-        _check_keys("ref_labels", ref_labels, ref_embeddings.shape[0], f"ref_embeddings {tuple(ref_embeddings.shape)}")
-        named.update(ref_embeddings=ref_embeddings, ref_labels=ref_labels)
+        _check_keys("ref_labels", ref_labels, "ref_embeddings", ref_embeddings)
         if (ids is None) != (ref_ids is None):
             raise ValueError("with a reference set, ids and ref_ids must be given together")
     elif ref_ids is not None:
         raise ValueError("ref_ids needs ref_embeddings (in the self case ids serve both ends)")
     if ids is not None:
-        _check_keys("ids", ids, batch, "embeddings")
-        named["ids"] = ids
+        _check_keys("ids", ids, "embeddings", embeddings)
     if ref_ids is not None:
-        _check_keys("ref_ids", ref_ids, ref_embeddings.shape[0], "ref_embeddings")
-        named["ref_ids"] = ref_ids
-    devices = {name: t.device for name, t in named.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError("all tensors must be on one device, got " + ", ".join(f"{k} on {v}" for k, v in devices.items()))
+        _check_keys("ref_ids", ref_ids, "ref_embeddings", ref_embeddings)
+    named = (("embeddings", embeddings), ("labels", labels), ("ref_embeddings", ref_embeddings),
+             ("ref_labels", ref_labels), ("ids", ids), ("ref_ids", ref_ids))
+    device = embeddings.device
+    if any(t is not None and t.device != device for _, t in named):
+        raise ValueError("all tensors must be on one device, got " +
+                         ", ".join(f"{name} on {t.device}" for name, t in named if t is not None))
 
 
 # ---- the call path ----------------------------------------------------------------------------
@@ -224,7 +226,8 @@ class _UnitRows(torch.autograd.Function):
 
 def _normalizer(backend):
     """unit_rows, or for eager calls of the triton backend its own two kernels, one launch each way
-    (traced calls keep torch's ops, which the compiler fuses itself)."""
+    (traced calls keep torch's ops, which the compiler fuses itself). The eager triton loss
+    normalises inside its one autograd node (triton_kernels.eager_loss)."""
     return _triton_kernels().unit_rows if backend == "triton" and not ops._traced() else unit_rows
 
 
@@ -237,11 +240,14 @@ def normalized_rows(t, backend="auto"):
 def _nan_if_nonfinite(loss, *inputs):
     """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on
     each tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's
-    size (torch.isfinite(t).all() took 10x longer, the max-norm 15x on CPU). The extremes times 0
-    are 0, or NaN where one is not finite, and their sum is added to the loss: five ops in the
-    self case, none in the backward (each op is a GPU launch that costs host time)."""
-    extremes = [v for t in inputs if t is not None and t.numel() > 0 for v in torch.aminmax(t.detach())]
-    return loss + torch.stack(extremes).mul_(0).sum() if extremes else loss
+    size (torch.isfinite(t).all() took 10x longer, the max-norm 15x on CPU). Each extreme is added
+    times 0 (alpha=0: 0, or NaN where it is not finite): three ops in the self case, none in the
+    backward (each op is a GPU launch that costs host time)."""
+    for t in inputs:
+        if t is not None and t.numel() > 0:
+            for extreme in torch.aminmax(t.detach()):
+                loss = torch.add(loss, extreme, alpha=0)
+    return loss
 
 
 def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
@@ -253,15 +259,21 @@ def _anchor_losses(backend, x, labels, ids, ref, ref_labels, ref_ids, options):
     hyper_parameters = [options[name] for name in ops.HYPER_PARAMETERS]
     if backend != "triton":
         return ops.fused_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
-    # the Triton kernels compare int32 ranks of the keys: made once here, not in each op (the self
-    # case's labels by the forward's sort of them, which the backward reuses)
+    return _triton_kernels().fused_forward(x, *_triton_keys(labels, ids, ref, ref_labels, ref_ids),
+                                           *hyper_parameters)[0]
+
+
+def _triton_keys(labels, ids, ref, ref_labels, ref_ids):
+    """(labels, ids, ref, ref_labels, ref_ids) with the keys as the Triton kernels compare them, int32
+    ranks: made once here, not in each op (the self case's labels by the forward's sort of them,
+    which the backward reuses)."""
     kernels = _triton_kernels()
     if ref is not None:
         labels, ref_labels = kernels.int32_keys(labels, ref_labels)
     if ids is not None:
         ids, ranked = kernels.int32_keys(ids, ids if ref_ids is None else ref_ids)
         ref_ids = None if ref_ids is None else ranked
-    return kernels.fused_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+    return labels, ids, ref, ref_labels, ref_ids
 
 
 def multi_similarity_loss(
@@ -309,6 +321,10 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     options = dict(options, **{k: float(options[k]) for k in ("alpha", "beta", "base", "epsilon")})
     _check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
     backend = "reference" if masks is not None else _resolve_backend(backend, embeddings.device, embeddings.dtype)
+    if backend == "triton" and not ops._traced():  # eager: the whole call one autograd node
+        return _triton_kernels().eager_loss(
+            embeddings, *_triton_keys(labels, ids, ref_embeddings, ref_labels, ref_ids),
+            [options[name] for name in ops.HYPER_PARAMETERS], normalize, reduction, _loss_dtype(embeddings))
     x, ref = embeddings, ref_embeddings
     if normalize:
         normalized = _normalizer(backend)

@@ -127,7 +127,7 @@ class _FirstDerivativeOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, embeddings, *grads):
-        return tuple(grad.clone() for grad in grads)
+        return tuple(None if grad is None else grad.clone() for grad in grads)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -146,8 +146,10 @@ def fixed_signature(fn):
 def _traced():
     """Whether the call is traced rather than run: by torch.compile or export, or under one of torch's
     tracing modes (fake tensors, make_fx proxies, functionalisation), which need the op and its fake."""
-    return torch.compiler.is_compiling() or any(
-        torch._C._get_dispatch_mode(key) is not None for key in torch._C._TorchDispatchModeKey.__members__.values())
+    return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+_TRACING_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 
 
 def _op(qualified_name):

@@ -446,6 +446,46 @@ def test_the_triton_self_case_keeps_its_label_order_for_the_backward(labels_dtyp
             torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), wrong, x, labels, *args)
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("case", ["self", "ref"])
+@pytest.mark.parametrize("chunk_mib", ["0", "1"])
+def test_one_gradient_for_all_anchors_is_the_same_as_a_vector_of_them(monkeypatch, case, chunk_mib):
+    """The triton backward takes an expanded grad_loss (stride 0: "mean" and "sum" of the eager loss)
+    as one value, its norm worked out by the scales kernel (UNIFORM), and grad_divisor divides it there
+    (the eager loss's "mean": grad_output / B, no op for it): the same gradients as from the vector
+    of those values, fused and chunked, within a few float32 ulps (GPU divisions are approximate)."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+    kwargs = to(build_case(case, 53, 24, torch.float32, seed=2), DEVICE)
+    x = F.normalize(kwargs["embeddings"], dim=1)
+    ref = None if case == "self" else F.normalize(kwargs["ref_embeddings"], dim=1)
+    keys = (kwargs["labels"], None, ref, kwargs.get("ref_labels"), None)
+    hyper = (2.0, 50.0, 0.5, 0.1, True, False)
+    loss, stats = torch.ops.ms_loss_cuda.triton_forward(x, *keys, *hyper)
+    grad_output = torch.tensor(-0.37, device=DEVICE)
+    backward = triton_kernels.ms_loss._backward_of_checked_inputs
+    uniform = backward(grad_output.expand(53), stats, x, *keys, *hyper, grad_divisor=53)
+    vector = backward((grad_output / 53).expand(53).contiguous(), stats, x, *keys, *hyper)
+    for got, want in list(zip(uniform, vector))[:1 if ref is None else 2]:  # (the self case: no grad_ref)
+        assert got.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("ref_grad", [False, True])
+def test_an_eager_triton_loss_is_one_autograd_node(ref_grad):
+    """Eager calls of the triton backend take the whole loss (normalisation, the loss op, reduction,
+    finiteness check, cast) as one autograd node: its inputs' gradients accumulate directly, with no
+    node of torch's between them (each costs the host its own launches; see the test above)."""
+    kwargs = to(build_case("ref", 40, 16, torch.float16), DEVICE)
+    x = kwargs["embeddings"].requires_grad_()
+    ref = kwargs["ref_embeddings"].requires_grad_(ref_grad)
+    loss = multi_similarity_loss(x, kwargs["labels"], ref_embeddings=ref, ref_labels=kwargs["ref_labels"],
+                                 backend="triton")
+    leaves = [next_function for next_function, _ in loss.grad_fn.next_functions if next_function is not None]
+    assert [type(f).__name__ for f in leaves] == ["AccumulateGrad"] * (1 + ref_grad)
+    assert leaves[0].variable is x and (not ref_grad or leaves[1].variable is ref)
+
+
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
                     reason="runs the GPU's tiles under the interpreter (on a GPU every test does)")
 # the fused backward ("0") and the chunked one in several chunks, in turn: each case and each tile
@@ -815,7 +855,7 @@ def test_the_triton_normalisation_matches_torchs(dtype, shape):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 40), ("memory_bank", 3, 55)])
+@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 33), ("memory_bank", 3, 50)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizing, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
@@ -827,7 +867,9 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     torch's normalisation, 4 ops forward and 10 backward; 58 and 64 before the blocks' first and last
     keys came from views instead of gathers; 52 and 58 before the self case sorted its labels once
     for both ops (the backward reads the order from the forward's stats), found its blocks' ranges
-    from the sorted ranks and the finiteness check added the extremes times 0; the kernels are
+    from the sorted ranks and the finiteness check added the extremes times 0; 40 and 54 before the
+    eager call became one autograd node, whose backward takes "mean" as one gradient into the scales
+    kernel and hands the normalisation's backward the float32 gradient as it is; the kernels are
     stubbed out: this counts the host's work only). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS
     products and buffers)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")

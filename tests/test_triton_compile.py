@@ -36,6 +36,7 @@ def test_every_kernel_compiles_for_both_targets(records):
                "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
                "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
                "_scales_kernel[column_lift=True]", "_scales_kernel[column_lift=False][half_lift]",
+               "_scales_kernel[column_lift=False][uniform]", "_scales_kernel[column_lift=False][half_lift][uniform]",
                "_grad_kernel[rows=True,cols=False][check_ids=False]",
                "_grad_kernel[rows=False,cols=True][check_ids=False]",
                "_weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False]",
@@ -47,7 +48,9 @@ def test_every_kernel_compiles_for_both_targets(records):
                                                              (True, "[range_tiles]"))}
     # the fused backward takes the self case in label order, with and without the caller's identities
     kernels |= {f"_grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
-    rows = {"_unit_rows_kernel", "_unit_rows_grad_kernel"}  # (the normalisation: no float32-tf32 variant)
+    # the normalisation (no float32-tf32 variant)
+    rows = {"_unit_rows_kernel", "_unit_rows_grad_kernel", "_unit_rows_grad_kernel[ordered]",
+            "_unit_rows_grad_kernel[float32]"}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == \

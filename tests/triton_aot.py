@@ -51,6 +51,11 @@ def launches(dtype_name, dim, mining, skip, cc):
     if dim in ROW_KERNEL_DIMS and not dtype_name.endswith("-tf32") and mining and not skip:
         y, norm, normalize = unit_rows_plan(x)
         found.update((launch.kernel.fn.__name__, launch) for launch in normalize + unit_rows_grad_plan(x, y, norm)[1])
+        # the eager loss's: the backward's float32 rows, the chunked one's padded and in label order
+        padded = torch.zeros(ROWS, dim + 16, dtype=torch.float32)
+        found["_unit_rows_grad_kernel[ordered]"] = unit_rows_grad_plan(padded, y, norm,
+                                                                       torch.arange(ROWS, dtype=torch.int32))[1][0]
+        found["_unit_rows_grad_kernel[float32]"] = unit_rows_grad_plan(padded, y, norm)[1][0]
     cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down
@@ -64,9 +69,10 @@ def launches(dtype_name, dim, mining, skip, cc):
         chunked = []
         for mib in ("64", "16"):  # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
             with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
-                for ref_grad in (True, False):
-                    chunked += backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper,
-                                             ref_grad=ref_grad, interpret=False, capability=capability)[-1]
+                for ref_grad in (True, False):  # (without: the eager loss's one gradient for all anchors, "mean")
+                    grad = torch.ones(ROWS) if ref_grad else torch.ones(1).expand(ROWS)
+                    chunked += backward_plan(grad, stats, x, labels, i, r, rl, None, *hyper, ref_grad=ref_grad,
+                                             interpret=False, capability=capability, grad_divisor=ROWS)[-1]
         for launch in forward + backward + chunked:
             if not isinstance(launch, Launch):
                 continue
@@ -74,6 +80,7 @@ def launches(dtype_name, dim, mining, skip, cc):
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
             name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
             name += "[half_lift]" if c.get("HALF_LIFT") else ""
+            name += "[uniform]" if c.get("UNIFORM") else ""
             name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},both_lifts={c['BOTH_LIFTS']},copy={c['COPY']}]"
             name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
             name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"

@@ -39,14 +39,20 @@ over all columns:
   GEMM-equivalents where the fused form takes 4. Self case: the weights kernel takes every pair as a
   negative, and a second, small launch per chunk (RANGE_TILES) rewrites the columns of each row
   block's positive range with classified weights: the branch would have cost both paths' registers.
-`plan_cost` counts the work of a plan's launches in GEMM-equivalents. `unit_rows`: the loss's
-normalisation for eager triton calls, one launch each way (`_unit_rows_kernel`, `_unit_rows_grad_kernel`).
+`plan_cost` counts the work of a plan's launches in GEMM-equivalents. `eager_loss` (`_EagerLoss`): the
+loss of an eager call as one autograd node, its normalisation one launch each way
+(`_unit_rows_kernel`, `_unit_rows_grad_kernel`, which takes the chunked backward's float32 rows in
+label order as they are); `unit_rows`: that normalisation alone (CrossBatchMemory, the distributed loss).
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified on GPUs (torch 2.11, triton 3.6): this build on an H200 (2026-11-26): the parity suite
+Not yet run on a GPU (2026-11-26, after the H200 run below): the eager loss as one node
+(`_EagerLoss`), the scales kernel's one gradient for all anchors (UNIFORM) and the normalisation's
+backward from strided float32 rows in label order (ORDERED); they pass the interpreter's suite and
+the ahead-of-time compiles below.
+Verified on GPUs (torch 2.11, triton 3.6): the build before on an H200 (2026-11-26): the parity suite
 against the float64 reference on CUDA tensors (TF32 too; the fused and the chunked backward each as
 a target, the triangle's two-sided lifts by the precision test), compute-sanitizer memcheck on the
 fused, chunked and triangle backwards, timings in bench/results/gpu/h200/. Earlier builds on an H100
@@ -58,6 +64,7 @@ its own), and the PTX/ptxas facts of every shipped configuration and of the chun
 kernel compiled ahead of time for sm_80 and sm_90 (tests/test_triton_compile.py).
 """
 import contextlib
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -66,7 +73,8 @@ import triton
 import triton.language as tl
 
 from .. import ops
-from ..loss import _check_inputs, squares_dtype
+from ..loss import _check_inputs, _nan_if_nonfinite, squares_dtype
+from ..reference import reduce_losses
 
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -421,13 +429,15 @@ def _anchor_terms(stats_ptr, scale_ptr, num_anchors, index, ok, epsilon,
 
 
 @triton.jit
-def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_lift_ptr, num_anchors, alpha,
-                   beta, base, epsilon, max_lift, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                   COLUMN_LIFT: tl.constexpr, HALF_LIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """Per anchor: its gradient scale grad_i / norm (norm = max |grad| clamped at 1e-30, so |scale| <= 1)
-    and the lift of its row of pair weights, the power of 2 in [1, min(2^64, max_lift)] that takes
-    |scale_i| times the row's largest weight into (1/2, 1]. Weights enter the backward's product in
-    the input dtype, and a large reference set without mining (weights about 1/R, subnormal in
+def _scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, scale_ptr, lift_ptr, column_lift_ptr,
+                   num_anchors, alpha, beta, base, epsilon, max_lift, MINING: tl.constexpr,
+                   SKIP_INCOMPLETE: tl.constexpr, COLUMN_LIFT: tl.constexpr, HALF_LIFT: tl.constexpr,
+                   UNIFORM: tl.constexpr, BLOCK: tl.constexpr):
+    """Per anchor: its gradient scale g_i / norm, g_i = grad_i / grad_divisor (norm = max |g| clamped at
+    1e-30, so |scale| <= 1; UNIFORM, one gradient for all anchors: the norm |g_0| clamped, worked out
+    and written here) and the lift of its row of pair weights, the power of 2 in
+    [1, min(2^64, max_lift)] that takes |scale_i| times the row's largest weight into (1/2, 1].
+    Weights enter the backward's product in the input dtype, and a large reference set without mining (weights about 1/R, subnormal in
     float16 beyond R = 16k) or a small grad_output would lose their precision without it. The
     largest weight is bounded from the stats in the log domain, each set only when it is not empty:
     exp(-alpha (minpos - base) - LP) for the mined positives, exp(beta (maxneg - base) - LN) for the
@@ -439,7 +449,15 @@ def _scales_kernel(grad_ptr, grad_stride, stats_ptr, norm_ptr, scale_ptr, lift_p
     2 at or below the lift's square root, at most max_lift (TRIANGLE_LIFT)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_anchors
-    scale = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / tl.load(norm_ptr)
+    if UNIFORM:
+        g = tl.load(grad_ptr).to(tl.float32) / grad_divisor
+        norm = tl.maximum(tl.abs(g), 1e-30)
+        if tl.program_id(0) == 0:
+            tl.store(norm_ptr, norm)  # (for the launches after this one)
+        scale = tl.where(ok, g / norm, 0.0)
+    else:
+        g = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / grad_divisor
+        scale = g / tl.load(norm_ptr)
     minpos, maxneg, lp, ln = _anchor_stats(stats_ptr, num_anchors, i, ok)
     has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
     largest = tl.maximum(tl.where(has_positive, -alpha * (minpos - base) - lp, -float("inf")),
@@ -640,10 +658,11 @@ def _weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_p
 
 
 @triton.jit
-def _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D: tl.constexpr):
-    """Columns k .. k + BLOCK_D of `rows` of a contiguous [num_rows, dim] tensor, as float32 (0 outside)."""
+def _row_block(t_ptr, rows, k, num_rows, dim, stride, BLOCK_D: tl.constexpr):
+    """Columns k .. k + BLOCK_D of `rows` of a [num_rows, dim] tensor with rows `stride` elements apart,
+    as float32 (0 outside)."""
     ks = k + tl.arange(0, BLOCK_D)
-    at = rows[:, None].to(tl.int64) * dim + ks[None, :]
+    at = rows[:, None].to(tl.int64) * stride + ks[None, :]
     ok = (rows < num_rows)[:, None] & (ks < dim)[None, :]
     return tl.load(t_ptr + at, mask=ok, other=0.0).to(tl.float32), at, ok
 
@@ -659,7 +678,7 @@ def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, WIDE_SUMS: tl.const
     if WIDE_SUMS:
         squares = squares.to(tl.float64)
     for k in range(0, dim, BLOCK_D):
-        t, _, _ = _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D)
+        t, _, _ = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         if WIDE_SUMS:
             t = t.to(tl.float64)
         squares += tl.sum(t * t, axis=1)
@@ -670,26 +689,43 @@ def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, WIDE_SUMS: tl.const
     norm = tl.maximum(norm, 1e-12)
     tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
     for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
-        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, BLOCK_D)
+        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         tl.store(y_ptr + at, tl.div_rn(t, norm[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _unit_rows_grad_kernel(g_ptr, y_ptr, norm_ptr, dt_ptr, num_rows, dim, BLOCK_R: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def _grad_block(g_ptr, g_stride, at_g, rows, k, num_rows, dim, ORDERED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_unit_rows_grad_kernel's block of g: rows at_g, g_stride apart (ORDERED), else the rows of y."""
+    if ORDERED:
+        g, _, _ = _row_block(g_ptr, at_g, k, num_rows, dim, g_stride, BLOCK_D)
+    else:
+        g, _, _ = _row_block(g_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+    return g
+
+
+@triton.jit
+def _unit_rows_grad_kernel(g_ptr, g_stride, y_ptr, norm_ptr, dt_ptr, order_ptr, num_rows, dim, ORDERED: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """dt = (g - y (g . y)) / |t| row by row (g / 1e-12 where the norm was clamped, as torch's): one
-    launch where torch's ops (ms_loss_cuda/loss.py, _UnitRows.backward) take ten."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    launch where torch's ops (ms_loss_cuda/loss.py, _UnitRows.backward) take ten. g: of any float
+    dtype, contiguous rows; ORDERED: row p of g (g_stride elements apart: the chunked backward's
+    padded float32 rows, where it left them) belongs to row order[p] of y, norm and dt (the self
+    case's label order). (Contiguous g shares y's offsets: with a stride of its own, 8 bytes spill
+    on sm_90 under Triton 3.6.)"""
+    at_g = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = at_g
+    if ORDERED:
+        rows = tl.load(order_ptr + at_g, mask=at_g < num_rows, other=num_rows)
     along = tl.zeros((BLOCK_R,), tl.float32)
     for k in range(0, dim, BLOCK_D):
-        g, _, _ = _row_block(g_ptr, rows, k, num_rows, dim, BLOCK_D)
-        y, _, _ = _row_block(y_ptr, rows, k, num_rows, dim, BLOCK_D)
+        g = _grad_block(g_ptr, g_stride, at_g, rows, k, num_rows, dim, ORDERED, BLOCK_D)
+        y, _, _ = _row_block(y_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         along += tl.sum(g * y, axis=1)
     norm = tl.load(norm_ptr + rows, mask=rows < num_rows, other=1.0)
     along = tl.where(norm > 1e-12, along, 0.0)
     for k in range(0, dim, BLOCK_D):
-        g, at, ok = _row_block(g_ptr, rows, k, num_rows, dim, BLOCK_D)
-        y, _, _ = _row_block(y_ptr, rows, k, num_rows, dim, BLOCK_D)
+        g = _grad_block(g_ptr, g_stride, at_g, rows, k, num_rows, dim, ORDERED, BLOCK_D)
+        y, at, ok = _row_block(y_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         tl.store(dt_ptr + at, tl.div_rn(g - y * along[:, None], norm[:, None]).to(dt_ptr.dtype.element_ty), mask=ok)
 
 
@@ -943,10 +979,7 @@ def _operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     """Aligned rows of one dtype, int32 identities and, for a reference set, int32 keys of both ends
     (`int32_keys`; the self case's labels as given: its label order ranks them, `_label_order`).
     Default identities (default_ids; else None) never collide across ends (self case: the row index,
-    so the diagonal is skipped)."""
-    # the public API's checks, again for direct calls of the op: a wrong length would read out of
-    # bounds, a tensor on another device hand the kernel a foreign pointer
-    _check_inputs(x, labels, ref, ref_labels, ids, ref_ids)
+    so the diagonal is skipped). The inputs are checked before: by the loss, or by the ops (`_forward`)."""
     batch = x.shape[0]
     dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
     x = _aligned_rows(x, dtype)
@@ -986,13 +1019,21 @@ def _multiprocessors(device, interpret):
     """What the column splits are sized for: the GPU's multiprocessors; under the interpreter a few
     (so that the tests run split launches); for plans made on CPU tensors without it, an H100's 132."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _device_facts(device)[1]
     return 4 if interpret else 132
 
 
 def _capability(device):
     """What the tile table is chosen for: the GPU's compute capability; for plans made on CPU tensors, an H100's."""
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+    return _device_facts(device)[0] if device.type == "cuda" else (9, 0)
+
+
+@functools.cache
+def _device_facts(device):
+    """(compute capability, multiprocessors) of a GPU, asked once: every step's plans need them, and
+    each query costs the host a few microseconds."""
+    properties = torch.cuda.get_device_properties(device)
+    return (properties.major, properties.minor), properties.multi_processor_count
 
 
 RANGE_PROGRAMS = 4  # the chunked backward's programs per row block for its positive range: the tiles of
@@ -1160,10 +1201,11 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                   mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
-                  capability=None):
-    """(grad_x, grad_ref or empty [0], launches that fill them); no dref launch without ref_grad.
-    A gradient whose launch splits its columns comes as float32 partials [splits, rows, D], to be
-    summed over the first axis."""
+                  capability=None, grad_divisor=1):
+    """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
+    grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
+    without ref_grad. A gradient whose launch splits its columns comes as float32 partials
+    [splits, rows, D], to be summed over the first axis."""
     _check_dtypes(x, ref)
     _check_beta(beta)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids,
@@ -1174,8 +1216,15 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     stats = stats.contiguous()
     # Pair weights enter the second product in the input dtype: scaled to |.| <= 1 (grad/B under
     # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (_scales_kernel).
-    norm = (torch.linalg.vector_norm(grad_loss.to(torch.float32), float("inf")).clamp_min_(1e-30).reshape(1)
-            if num_x else torch.ones(1, dtype=torch.float32, device=x.device))
+    # One gradient for all anchors (an expanded one, as "mean" and "sum" give): its norm from _scales_kernel.
+    uniform = num_x > 0 and grad_loss.stride(0) == 0
+    if uniform:
+        norm = torch.empty(1, dtype=torch.float32, device=x.device)
+    elif num_x:
+        norm = torch.linalg.vector_norm(grad_loss.to(torch.float32), float("inf")).reshape(1)
+        norm = (norm if grad_divisor == 1 else norm / grad_divisor).clamp_min_(1e-30)
+    else:
+        norm = torch.ones(1, dtype=torch.float32, device=x.device)
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("backward", a.dtype, dim, interpret, capability))
     chunk_bytes = config.pop("CHUNK_BYTES")
@@ -1210,13 +1259,13 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                    if copy else norm)  # (dref's one lift for the rows of all anchors' weights; else never read)
     block = 1024
     scales = Launch(_scales_kernel, (_cdiv(num_x, block),),
-                    dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0),  # ("mean": one value, expanded)
+                    dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0), grad_divisor=float(grad_divisor),
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
                          epsilon=epsilon, max_lift=TRIANGLE_LIFT if triangle else
                          LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy, HALF_LIFT=triangle,
-                         BLOCK=block),
+                         UNIFORM=uniform, BLOCK=block),
                     4, 1)
     shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
                   epsilon=epsilon)
@@ -1389,25 +1438,38 @@ def unit_rows_plan(t):
                                   y_ptr=y, norm_ptr=norm)]
 
 
-def unit_rows_grad_plan(grad, y, norm):
-    """(dt, launches): the gradient of unit_rows_plan's y, from contiguous `grad` and `y`."""
+def unit_rows_grad_plan(grad, y, norm, order=None):
+    """(dt, launches): the gradient of unit_rows_plan's y (contiguous), from the first D columns of
+    `grad` (rows of any float dtype; with `order`, row p of grad is row order[p] of y, read where it
+    is, else copied to contiguous rows where they are not)."""
+    if order is None:
+        grad = grad[:, :y.shape[1]].contiguous()
     dt = torch.empty_like(y)
-    return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, {}, g_ptr=grad, y_ptr=y, norm_ptr=norm, dt_ptr=dt)]
+    return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
+                             g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
+                             order_ptr=norm if order is None else order)]  # (unordered: never read)
 
 
-def _run(plan, device, *args):
+def _run(plan, device, *args, **kwargs):
     """Runs the plan's launches under `device` (Triton launches on the current CUDA device and stream),
     the cuBLAS products (`Product`) with grad mode off (a backward under create_graph=True runs with
     it on, and its tensors may require a gradient) and autocast too (it would turn their float32
     products into 16-bit ones)."""
-    *outputs, launches = plan(*args)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    *outputs, launches = plan(*args, **kwargs)
+    with _on(device):
         if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):  # (entered only then: 10-20 us)
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 _launch(launches)
         else:
             _launch(launches)
     return tuple(outputs)
+
+
+def _on(device):
+    """A context that makes `device` the current CUDA device, where it is not already."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()  # (entering torch.cuda.device costs the host two device switches)
+    return torch.cuda.device(device)
 
 
 def _launch(launches):
@@ -1421,6 +1483,9 @@ def _forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Tensor],
              ref_labels: Optional[torch.Tensor], ref_ids: Optional[torch.Tensor], alpha: float, beta: float,
              base: float, epsilon: float, mining: bool,
              skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # the public API's checks, again for direct calls of the op: a wrong length would read out of
+    # bounds, a tensor on another device hand the kernel a foreign pointer
+    _check_inputs(x, labels, ref, ref_labels, ids, ref_ids)
     return _run(forward_plan, x.device, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
                 skip_incomplete_anchors)
 
@@ -1430,15 +1495,47 @@ def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, lab
               ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
               mining: bool, skip_incomplete_anchors: bool,
               ref_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(x, labels, ref, ref_labels, ids, ref_ids)  # (a direct call of the op; see _forward)
+    return _backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base,
+                                       epsilon, mining, skip_incomplete_anchors, ref_grad)
+
+
+def _backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
+                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1):
+    """The backward op's work, for inputs that were checked: the forward's (the eager loss's backward)."""
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
-                            alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad)
+                            alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
+                            grad_divisor=grad_divisor)
+    return _unpadded(grad_x, x), (_unpadded(grad_ref, ref) if ref_grad else grad_ref)
 
-    def unpadded(grad, like):  # split partials summed in order; the input's width and dtype (mixed dtypes ran promoted)
-        grad = grad.sum(0) if grad.dim() == 3 else grad
-        return grad[:, :like.shape[1]].to(like.dtype).contiguous()
 
-    return unpadded(grad_x, x), (unpadded(grad_ref, ref) if ref_grad else grad_ref)
+def _unpadded(grad, like):
+    """A gradient of backward_plan as the input `like` is: split partials summed in order, its width and
+    dtype (mixed dtypes ran promoted)."""
+    return _summed(grad)[:, :like.shape[1]].to(like.dtype).contiguous()
+
+
+def _summed(grad):
+    """A gradient of backward_plan, its split partials [splits, rows, D] summed in order."""
+    return grad.sum(0) if grad.dim() == 3 else grad
+
+
+def _backward_plan_in_order(*args, **kwargs):
+    """backward_plan's, and None: its gradients' rows in the caller's order."""
+    grad_x, grad_ref, launches = backward_plan(*args, **kwargs)
+    return grad_x, grad_ref, None, launches
+
+
+def _backward_plan_in_label_order(*args, **kwargs):
+    """backward_plan's, but the self case's chunked backward leaves dx in label order, without its last
+    step (`Reorder`), and gives the order too (else None): the normalisation's backward reads the
+    rows in that order (`unit_rows_grad_plan`), which saves the reordered copy and its cast."""
+    grad_x, grad_ref, launches = backward_plan(*args, **kwargs)
+    if launches and isinstance(launches[-1], Reorder):
+        reorder = launches.pop()
+        return reorder.grad, grad_ref, reorder.order, launches
+    return grad_x, grad_ref, None, launches
 
 
 class _UnitRows(torch.autograd.Function):
@@ -1463,8 +1560,56 @@ class _UnitRows(torch.autograd.Function):
 unit_rows = _UnitRows.apply
 
 
+class _EagerLoss(torch.autograd.Function):
+    """multi_similarity_loss on the triton backend in eager calls, one autograd node from the embeddings
+    to the loss: normalisation, the forward's launches, the reduction, the finiteness check and the
+    cast, where the loss op and torch's ops made five nodes and more small ops (each is host time on
+    a GPU, the most of an eager step: bench/host_time.py). Its backward hands "mean" and "sum" to the
+    scales kernel as one gradient for all anchors (backward_plan's grad_divisor: no ops to expand,
+    cast and divide it, none for its norm) and ends with the normalisation's backward, one launch an
+    input. Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating
+    the gradient again raises, as for every fused backend."""
+
+    @staticmethod
+    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
+        a, a_norm = _run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None)
+        b, b_norm = ref, None
+        if normalize and ref is not None:
+            b, b_norm = _run(unit_rows_plan, x.device, ref.contiguous())
+        losses, stats = _run(forward_plan, x.device, a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters)
+        ctx.save_for_backward(x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
+        ctx.hyper_parameters, ctx.reduction = hyper_parameters, reduction
+        return _nan_if_nonfinite(reduce_losses(losses, reduction), x, ref).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = ctx.saved_tensors
+        batch, ref_grad = a.shape[0], ref is not None and ctx.needs_input_grad[1]
+        divisor = batch if ctx.reduction == "mean" and batch else 1
+        grad_loss = grad if ctx.reduction == "none" else grad.expand(batch)
+        normalized = a_norm is not None
+        da, db, order = _run(_backward_plan_in_label_order if normalized else _backward_plan_in_order, x.device,
+                             grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters,
+                             ref_grad, grad_divisor=divisor)
+        if normalized:  # the normalisation's backward, from the loss's float32 gradients where they are
+            (da,) = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order)
+            (db,) = _run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm) if ref_grad else (None,)
+        else:
+            da, db = _unpadded(da, a), _unpadded(db, b) if ref_grad else None
+        if torch.is_grad_enabled():  # create_graph=True: tie the gradients to the inputs, so that their backward raises
+            da, db = ops._FirstDerivativeOnly.apply(x if x.requires_grad else ref, da, db)
+        return (da, db) + (None,) * 8
+
+
+def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
+    """multi_similarity_loss's result (reduced, in `dtype`) through `_EagerLoss`, for inputs it checked and
+    keys it ranked as for the ops (ms_loss_cuda/loss.py, _triton_keys)."""
+    return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids, tuple(hyper_parameters), normalize, reduction,
+                            dtype)
+
+
 # the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward the loss calls
 triton_forward = torch.library.custom_op("ms_loss_cuda::triton_forward", _forward, mutates_args=())
 triton_backward = torch.library.custom_op("ms_loss_cuda::triton_backward", _backward, mutates_args=())
 fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", _forward,
-                                      _backward, saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)
+                                      _backward_of_checked_inputs, saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)
