@@ -20,12 +20,7 @@ import ms_loss_cuda
 from ms_loss_cuda.triton_kernels import ms_loss as triton_kernels
 
 SHIPPED_TILES = triton_kernels.tile_config
-
-
-def triangle_at_any_height(kind, *args, **kwargs):
-    """The tile table with the self case's triangle taken however short its chunks (TRIANGLE_ROWS)."""
-    config = SHIPPED_TILES(kind, *args, **kwargs)
-    return dict(config, TRIANGLE_ROWS=1) if kind == "weights" else config
+TRIANGLE_AT_ANY_HEIGHT = triton_kernels.with_triangle_rows(1)  # (the tile table, the triangle however short its chunks)
 
 
 def main():
@@ -42,7 +37,7 @@ def main():
                     continue
                 # (the chunked backward at 1 byte of weights: one tile row or column a chunk)
                 os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "0" if backward == "fused" else "1e-6"
-                triton_kernels.tile_config = triangle_at_any_height if backward == "triangle" else SHIPPED_TILES
+                triton_kernels.tile_config = TRIANGLE_AT_ANY_HEIGHT if backward == "triangle" else SHIPPED_TILES
                 rows = 300 if case.endswith("ids") else batch
                 x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
                 labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()

@@ -58,8 +58,7 @@ def kernel_dx(x, labels, grad_output, chunk_mib, triangle_rows):
     os.environ["MS_LOSS_TRITON_CHUNK_MB"] = chunk_mib
     shipped = kernels.tile_config
     if triangle_rows is not None:
-        kernels.tile_config = lambda kind, *args, **kwargs: dict(
-            shipped(kind, *args, **kwargs), **({"TRIANGLE_ROWS": triangle_rows} if kind == "weights" else {}))
+        kernels.tile_config = kernels.with_triangle_rows(triangle_rows, shipped)
     try:
         operands = (x, labels, None, None, None, None)
         _, stats = kernels._run(kernels.forward_plan, x.device, *operands, *HYPER)

@@ -143,18 +143,14 @@ def chunk_choices(monkeypatch, triangle_rows=None):
     triangle_rows, the tile table's TRIANGLE_ROWS replaced by it (10 ** 9: whole rows; 1: the
     triangle at any chunk height, where a GPU's table asks for 1024 rows)."""
     kernels = triton_kernels.ms_loss
-    shipped_config, shipped_rectangles, chosen = kernels.tile_config, kernels._chunk_rectangles, []
-
-    def config(kind, *args, **kwargs):
-        config = shipped_config(kind, *args, **kwargs)
-        return dict(config, TRIANGLE_ROWS=triangle_rows) if kind == "weights" else config
+    shipped_rectangles, chosen = kernels._chunk_rectangles, []
 
     def rectangles(*args):
         chosen.append(shipped_rectangles(*args))
         return chosen[-1]
 
     if triangle_rows is not None:
-        monkeypatch.setattr(kernels, "tile_config", config)
+        monkeypatch.setattr(kernels, "tile_config", kernels.with_triangle_rows(triangle_rows, kernels.tile_config))
     monkeypatch.setattr(kernels, "_chunk_rectangles", rectangles)
     return chosen
 

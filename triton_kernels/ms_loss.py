@@ -450,13 +450,13 @@ def _scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, sca
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_anchors
     if UNIFORM:
-        g = tl.load(grad_ptr).to(tl.float32) / grad_divisor
+        g = tl.div_rn(tl.load(grad_ptr).to(tl.float32), grad_divisor)  # (rounded as torch's grad / B)
         norm = tl.maximum(tl.abs(g), 1e-30)
         if tl.program_id(0) == 0:
             tl.store(norm_ptr, norm)  # (for the launches after this one)
         scale = tl.where(ok, g / norm, 0.0)
     else:
-        g = tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32) / grad_divisor
+        g = tl.div_rn(tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32), grad_divisor)
         scale = g / tl.load(norm_ptr)
     minpos, maxneg, lp, ln = _anchor_stats(stats_ptr, num_anchors, i, ok)
     has_positive, has_negative = _set_flags(minpos, maxneg, epsilon, MINING)
@@ -924,6 +924,17 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
 
 
 _SHIPPED_TILE_CONFIG = tile_config
+
+
+def with_triangle_rows(rows, table=tile_config):
+    """`table` (the shipped tile_config unless given) with TRIANGLE_ROWS = rows: the chunk height from
+    which the self case takes the triangle (1: at any height; 10 ** 9: never, chunks of whole rows),
+    for the tests and benches that pick the chunked backward's form."""
+    def config(kind, *args, **kwargs):
+        entry = table(kind, *args, **kwargs)
+        return dict(entry, TRIANGLE_ROWS=rows) if kind == "weights" else entry
+
+    return config
 
 
 DEFAULT_CHUNK_MIB = 256  # the chunked backward's budget where $MS_LOSS_TRITON_CHUNK_MB is unset, on a GPU
@@ -1444,6 +1455,7 @@ def unit_rows_grad_plan(grad, y, norm, order=None):
     is, else copied to contiguous rows where they are not)."""
     if order is None:
         grad = grad[:, :y.shape[1]].contiguous()
+    assert grad.stride(1) == 1, "the kernel reads grad's rows as contiguous"
     dt = torch.empty_like(y)
     return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
                              g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
@@ -1592,7 +1604,8 @@ class _EagerLoss(torch.autograd.Function):
                              grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters,
                              ref_grad, grad_divisor=divisor)
         if normalized:  # the normalisation's backward, from the loss's float32 gradients where they are
-            (da,) = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order)
+            (da,) = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order) if ctx.needs_input_grad[0] \
+                else (None,)
             (db,) = _run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm) if ref_grad else (None,)
         else:
             da, db = _unpadded(da, a), _unpadded(db, b) if ref_grad else None
