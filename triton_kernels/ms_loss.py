@@ -1533,12 +1533,6 @@ def _summed(grad):
     return grad.sum(0) if grad.dim() == 3 else grad
 
 
-def _backward_plan_in_order(*args, **kwargs):
-    """backward_plan's, and None: its gradients' rows in the caller's order."""
-    grad_x, grad_ref, launches = backward_plan(*args, **kwargs)
-    return grad_x, grad_ref, None, launches
-
-
 def _backward_plan_in_label_order(*args, **kwargs):
     """backward_plan's, but the self case's chunked backward leaves dx in label order, without its last
     step (`Reorder`), and gives the order too (else None): the normalisation's backward reads the
@@ -1599,16 +1593,15 @@ class _EagerLoss(torch.autograd.Function):
         batch, ref_grad = a.shape[0], ref is not None and ctx.needs_input_grad[1]
         divisor = batch if ctx.reduction == "mean" and batch else 1
         grad_loss = grad if ctx.reduction == "none" else grad.expand(batch)
-        normalized = a_norm is not None
-        da, db, order = _run(_backward_plan_in_label_order if normalized else _backward_plan_in_order, x.device,
-                             grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters,
-                             ref_grad, grad_divisor=divisor)
-        if normalized:  # the normalisation's backward, from the loss's float32 gradients where they are
+        args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad)
+        if a_norm is None:
+            da, db = _run(backward_plan, x.device, *args, grad_divisor=divisor)
+            da, db = _unpadded(da, a), _unpadded(db, b) if ref_grad else None
+        else:  # then the normalisation's backward, from the loss's float32 gradients where they are
+            da, db, order = _run(_backward_plan_in_label_order, x.device, *args, grad_divisor=divisor)
             (da,) = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order) if ctx.needs_input_grad[0] \
                 else (None,)
             (db,) = _run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm) if ref_grad else (None,)
-        else:
-            da, db = _unpadded(da, a), _unpadded(db, b) if ref_grad else None
         if torch.is_grad_enabled():  # create_graph=True: tie the gradients to the inputs, so that their backward raises
             da, db = ops._FirstDerivativeOnly.apply(x if x.requires_grad else ref, da, db)
         return (da, db) + (None,) * 8
