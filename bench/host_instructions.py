@@ -33,8 +33,8 @@ def serve(root, case, launches, batch, ref_rows, dim):
     from ms_loss_cuda.triton_kernels import ms_loss as kernels
 
     cpu_stand_in(kernels, launches)
-    x, labels, ref, ref_labels = make_inputs(batch, dim, HARDNESS["typical"], ref_rows if case == "memory bank" else None,
-                                             "cpu")
+    bank_rows = ref_rows if case == "memory bank" else None
+    x, labels, ref, ref_labels = make_inputs(batch, dim, HARDNESS["typical"], bank_rows, "cpu")
     x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
     step = step_function("triton", labels, ref, ref_labels)
     for _ in range(10):  # compiles, warms the caches

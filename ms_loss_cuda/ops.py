@@ -95,9 +95,7 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
             grad_x, grad_ref = backward_fn(
                 grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad
             )
-            embeddings = x if x.requires_grad else ref
-            if torch.is_grad_enabled() and embeddings is not None and embeddings.requires_grad:  # create_graph=True
-                grad_x, grad_ref = _FirstDerivativeOnly.apply(embeddings, grad_x, grad_ref)
+            grad_x, grad_ref = first_derivative_only((x, ref), grad_x, grad_ref)
             grad_ref = grad_ref if ref_grad else None
             return (grad_x, None, None, grad_ref, None, None) + (None,) * len(HYPER_PARAMETERS)
         return backward
@@ -118,6 +116,17 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
         return traced_forward(*inputs) if _traced() else Eager.apply(*inputs)
 
     return fused_forward
+
+
+def first_derivative_only(inputs, *grads):
+    """`grads` as they are, or in a backward under create_graph=True (grad mode on) tied by
+    `_FirstDerivativeOnly` to the first of `inputs` that takes a gradient, so that differentiating
+    them again raises (a fused backward's gradients: every fused backend, and triton's row kernels)."""
+    if torch.is_grad_enabled():
+        embeddings = next((t for t in inputs if t is not None and t.requires_grad), None)
+        if embeddings is not None:
+            return _FirstDerivativeOnly.apply(embeddings, *grads)
+    return grads
 
 
 class _FirstDerivativeOnly(torch.autograd.Function):

@@ -437,8 +437,9 @@ def _scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, sca
     1e-30, so |scale| <= 1; UNIFORM, one gradient for all anchors: the norm |g_0| clamped, worked out
     and written here) and the lift of its row of pair weights, the power of 2 in
     [1, min(2^64, max_lift)] that takes |scale_i| times the row's largest weight into (1/2, 1].
-    Weights enter the backward's product in the input dtype, and a large reference set without mining (weights about 1/R, subnormal in
-    float16 beyond R = 16k) or a small grad_output would lose their precision without it. The
+    Weights enter the backward's product in the input dtype, and a large reference set without
+    mining (weights about 1/R, subnormal in float16 beyond R = 16k) or a small grad_output would
+    lose their precision without it. The
     largest weight is bounded from the stats in the log domain, each set only when it is not empty:
     exp(-alpha (minpos - base) - LP) for the mined positives, exp(beta (maxneg - base) - LN) for the
     mined negatives; no overflow, no NaN. An anchor without weights (or that does not count) gets the
@@ -1560,7 +1561,7 @@ class _UnitRows(torch.autograd.Function):
     def backward(ctx, grad):
         t, y, norm = ctx.saved_tensors
         (dt,) = _run(unit_rows_grad_plan, y.device, grad.contiguous(), y, norm)
-        return ops._FirstDerivativeOnly.apply(t, dt)[0] if torch.is_grad_enabled() else dt  # (create_graph=True)
+        return ops.first_derivative_only((t,), dt)[0]
 
 
 unit_rows = _UnitRows.apply
@@ -1595,16 +1596,14 @@ class _EagerLoss(torch.autograd.Function):
         grad_loss = grad if ctx.reduction == "none" else grad.expand(batch)
         args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad)
         if a_norm is None:
-            da, db = _run(backward_plan, x.device, *args, grad_divisor=divisor)
-            da, db = _unpadded(da, a), _unpadded(db, b) if ref_grad else None
+            da, db = _backward_of_checked_inputs(*args, grad_divisor=divisor)
+            db = db if ref_grad else None
         else:  # then the normalisation's backward, from the loss's float32 gradients where they are
             da, db, order = _run(_backward_plan_in_label_order, x.device, *args, grad_divisor=divisor)
             (da,) = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order) if ctx.needs_input_grad[0] \
                 else (None,)
             (db,) = _run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm) if ref_grad else (None,)
-        if torch.is_grad_enabled():  # create_graph=True: tie the gradients to the inputs, so that their backward raises
-            da, db = ops._FirstDerivativeOnly.apply(x if x.requires_grad else ref, da, db)
-        return (da, db) + (None,) * 8
+        return ops.first_derivative_only((x, ref), da, db) + (None,) * 8
 
 
 def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
@@ -1618,4 +1617,5 @@ def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, norma
 triton_forward = torch.library.custom_op("ms_loss_cuda::triton_forward", _forward, mutates_args=())
 triton_backward = torch.library.custom_op("ms_loss_cuda::triton_backward", _backward, mutates_args=())
 fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", _forward,
-                                      _backward_of_checked_inputs, saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)
+                                      _backward_of_checked_inputs,
+                                      saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)
