@@ -482,6 +482,39 @@ def test_an_eager_triton_loss_is_one_autograd_node(ref_grad):
     assert leaves[0].variable is x and (not ref_grad or leaves[1].variable is ref)
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+def test_the_eager_loss_issues_its_backward_in_its_forward(monkeypatch):
+    """"mean" and "sum" under grad mode: the eager forward launches the backward's kernels too (for
+    grad_output 1), and the backward only scales their float32 result by grad_output: the same
+    gradient as the backward of "none" weighted alike, twice alike under retain_graph (the kept
+    gradient is not scaled in place). Without a gradient to take (no_grad, inputs that take none),
+    or for "none", the forward launches the forward's kernels only."""
+    kernels = []
+    shipped = triton_kernels.ms_loss.Launch.__call__
+    monkeypatch.setattr(triton_kernels.ms_loss.Launch, "__call__",
+                        lambda launch: (kernels.append(launch.kernel.fn.__name__), shipped(launch)))
+    kwargs = to(build_case("self", 45, 16, torch.float32, seed=4), DEVICE)
+    x = kwargs["embeddings"].requires_grad_()
+
+    def forward_kernels(x, reduction):
+        kernels.clear()
+        loss = multi_similarity_loss(x, kwargs["labels"], reduction=reduction, backend="triton")
+        return loss, set(kernels)
+
+    loss, launched = forward_kernels(x, "mean")
+    assert "_scales_kernel" in launched and "_unit_rows_grad_kernel" in launched
+    (first,) = torch.autograd.grad(loss, x, torch.tensor(-2.5, device=DEVICE), retain_graph=True)
+    (again,) = torch.autograd.grad(loss, x, torch.tensor(-2.5, device=DEVICE))
+    assert torch.equal(first, again)
+    losses, launched = forward_kernels(x, "none")
+    assert "_scales_kernel" not in launched
+    (want,) = torch.autograd.grad(losses, x, torch.full_like(losses, -2.5 / 45))
+    torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    with torch.no_grad():
+        assert "_scales_kernel" not in forward_kernels(x, "sum")[1]
+    assert "_scales_kernel" not in forward_kernels(x.detach(), "sum")[1]
+
+
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
                     reason="runs the GPU's tiles under the interpreter (on a GPU every test does)")
 # the fused backward ("0") and the chunked one in several chunks, in turn: each case and each tile
@@ -851,7 +884,7 @@ def test_the_triton_normalisation_matches_torchs(dtype, shape):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 33), ("memory_bank", 3, 50)])
+@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 35), ("memory_bank", 3, 52)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizing, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
@@ -865,8 +898,9 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     for both ops (the backward reads the order from the forward's stats), found its blocks' ranges
     from the sorted ranks and the finiteness check added the extremes times 0; 40 and 54 before the
     eager call became one autograd node, whose backward takes "mean" as one gradient into the scales
-    kernel and hands the normalisation's backward the float32 gradient as it is; the kernels are
-    stubbed out: this counts the host's work only). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS
+    kernel and hands the normalisation's backward the float32 gradient as it is; 2 more since the
+    forward issues the backward's launches and the backward scales their result: an empty_like and a
+    mul; the kernels are stubbed out: this counts the host's work of a step after the first). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS
     products and buffers)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")
     launched = []
@@ -877,6 +911,9 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     if case == "memory_bank":  # no gradient for the bank
         ref, ref_labels = make_batch(300, 128, 12, dtype=torch.float16, seed=1)
         bank = dict(ref_embeddings=ref.to(DEVICE), ref_labels=ref_labels.to(DEVICE))
+    multi_similarity_loss(x, labels, backend="triton", **bank).backward()  # (a first call makes what steps reuse)
+    launched.clear()
+    x.grad = None
     with _TensorOps() as tensor_ops:
         multi_similarity_loss(x, labels, backend="triton", **bank).backward()
     assert len(launched) == 5 + normalizing

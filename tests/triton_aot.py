@@ -51,11 +51,12 @@ def launches(dtype_name, dim, mining, skip, cc):
     if dim in ROW_KERNEL_DIMS and not dtype_name.endswith("-tf32") and mining and not skip:
         y, norm, normalize = unit_rows_plan(x)
         found.update((launch.kernel.fn.__name__, launch) for launch in normalize + unit_rows_grad_plan(x, y, norm)[1])
-        # the eager loss's: the backward's float32 rows, the chunked one's padded and in label order
-        padded = torch.zeros(ROWS, dim + 16, dtype=torch.float32)
-        found["_unit_rows_grad_kernel[ordered]"] = unit_rows_grad_plan(padded, y, norm,
-                                                                       torch.arange(ROWS, dtype=torch.int32))[1][0]
-        found["_unit_rows_grad_kernel[float32]"] = unit_rows_grad_plan(padded, y, norm)[1][0]
+        # the eager loss's: the backward's float32 rows, the chunked one's padded and in label order, into
+        # the input's dtype ("none") or into float32 (the gradient its forward makes for "mean" and "sum")
+        padded, order = torch.zeros(ROWS, dim + 16, dtype=torch.float32), torch.arange(ROWS, dtype=torch.int32)
+        for out, suffix in ((None, ""), (torch.float32, "[to_float32]")):
+            found["_unit_rows_grad_kernel[ordered]" + suffix] = unit_rows_grad_plan(padded, y, norm, order, out)[1][0]
+            found["_unit_rows_grad_kernel[float32]" + suffix] = unit_rows_grad_plan(padded, y, norm, None, out)[1][0]
     cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down

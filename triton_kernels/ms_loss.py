@@ -40,7 +40,8 @@ over all columns:
   negative, and a second, small launch per chunk (RANGE_TILES) rewrites the columns of each row
   block's positive range with classified weights: the branch would have cost both paths' registers.
 `plan_cost` counts the work of a plan's launches in GEMM-equivalents. `eager_loss` (`_EagerLoss`): the
-loss of an eager call as one autograd node, its normalisation one launch each way
+loss of an eager call as one autograd node, whose forward also issues the backward's launches where
+a gradient will be taken ("mean", "sum"), its normalisation one launch each way
 (`_unit_rows_kernel`, `_unit_rows_grad_kernel`, which takes the chunked backward's float32 rows in
 label order as they are); `unit_rows`: that normalisation alone (CrossBatchMemory, the distributed loss).
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
@@ -48,14 +49,15 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Not yet run on a GPU (2026-11-26, after the H200 run below): the eager loss as one node
-(`_EagerLoss`), the scales kernel's one gradient for all anchors (UNIFORM) and the normalisation's
-backward from strided float32 rows in label order (ORDERED); they pass the interpreter's suite and
-the ahead-of-time compiles below.
-Verified on GPUs (torch 2.11, triton 3.6): the build before on an H200 (2026-11-26): the parity suite
-against the float64 reference on CUDA tensors (TF32 too; the fused and the chunked backward each as
-a target, the triangle's two-sided lifts by the precision test), compute-sanitizer memcheck on the
-fused, chunked and triangle backwards, timings in bench/results/gpu/h200/. Earlier builds on an H100
+Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26: this build on an H200 (the eager forward
+that also issues the backward's launches): tests/test_gpu_backends.py on CUDA tensors and
+compute-sanitizer memcheck on the fused, chunked and triangle backwards (bench/gpu_sanitize.py),
+timings in bench/results/gpu/h200/. The build before (c7cd9de: the eager loss as one node
+`_EagerLoss`, the scales kernel's one gradient for all anchors UNIFORM, the normalisation's
+backward from strided float32 rows in label order ORDERED) on an H100: the parity suite against the
+float64 reference on CUDA tensors (TF32 too; the fused and the chunked backward each as a target,
+the triangle's two-sided lifts by the precision test), memcheck, racecheck on half of the cases,
+timings in bench/results/gpu/h100/. Earlier builds on an H100
 (2026-11-22 to 25): the same suite, memcheck, synccheck and racecheck, and the timings that made the
 chunked backward (2.0-3.8x faster than the fused one) a GPU's default. The sm_80 entries of the tile
 table have only been compiled. Without a GPU: the same suite under
@@ -1450,14 +1452,14 @@ def unit_rows_plan(t):
                                   y_ptr=y, norm_ptr=norm)]
 
 
-def unit_rows_grad_plan(grad, y, norm, order=None):
+def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
     """(dt, launches): the gradient of unit_rows_plan's y (contiguous), from the first D columns of
     `grad` (rows of any float dtype; with `order`, row p of grad is row order[p] of y, read where it
-    is, else copied to contiguous rows where they are not)."""
+    is, else copied to contiguous rows where they are not); dt in `dtype` (None: y's)."""
     if order is None:
         grad = grad[:, :y.shape[1]].contiguous()
     assert grad.stride(1) == 1, "the kernel reads grad's rows as contiguous"
-    dt = torch.empty_like(y)
+    dt = torch.empty_like(y, dtype=dtype)
     return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
                              g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
                              order_ptr=norm if order is None else order)]  # (unordered: never read)
@@ -1514,19 +1516,21 @@ def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, lab
 
 
 def _backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
-                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1):
-    """The backward op's work, for inputs that were checked: the forward's (the eager loss's backward)."""
+                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1, float32=False):
+    """The backward op's work, for inputs that were checked: the forward's (and the eager loss's,
+    whose "mean" divides by grad_divisor, without normalisation; `float32`: see `_unpadded`)."""
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
                             alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
                             grad_divisor=grad_divisor)
-    return _unpadded(grad_x, x), (_unpadded(grad_ref, ref) if ref_grad else grad_ref)
+    return _unpadded(grad_x, x, float32), (_unpadded(grad_ref, ref, float32) if ref_grad else grad_ref)
 
 
-def _unpadded(grad, like):
+def _unpadded(grad, like, float32=False):
     """A gradient of backward_plan as the input `like` is: split partials summed in order, its width and
-    dtype (mixed dtypes ran promoted)."""
-    return _summed(grad)[:, :like.shape[1]].to(like.dtype).contiguous()
+    dtype (mixed dtypes ran promoted); `float32`: its float32 rows as they are (a view, no copy)."""
+    grad = _summed(grad)[:, :like.shape[1]]
+    return grad if float32 else grad.to(like.dtype).contiguous()
 
 
 def _summed(grad):
@@ -1567,50 +1571,91 @@ class _UnitRows(torch.autograd.Function):
 unit_rows = _UnitRows.apply
 
 
+def _float32_one(device):
+    """A float32 1 on `device` (the eager loss's gradient for grad_output 1), made once: no op a step;
+    within a CUDA graph's capture a new one (the graph's own memory is not kept beyond it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return _kept_float32_one(device)
+
+
+@functools.cache
+def _kept_float32_one(device):
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
 class _EagerLoss(torch.autograd.Function):
     """multi_similarity_loss on the triton backend in eager calls, one autograd node from the embeddings
     to the loss: normalisation, the forward's launches, the reduction, the finiteness check and the
     cast, where the loss op and torch's ops made five nodes and more small ops (each is host time on
-    a GPU, the most of an eager step: bench/host_time.py). Its backward hands "mean" and "sum" to the
-    scales kernel as one gradient for all anchors (backward_plan's grad_divisor: no ops to expand,
-    cast and divide it, none for its norm) and ends with the normalisation's backward, one launch an
-    input. Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating
-    the gradient again raises, as for every fused backend."""
+    a GPU, the most of an eager step: bench/host_time.py). "mean" and "sum" reach the scales kernel
+    as one gradient for all anchors (backward_plan's grad_divisor: no ops to expand, cast and divide
+    it, none for its norm), and the normalisation's backward is one launch an input.
+    `gradients_now` ("mean" and "sum" under grad mode, an input taking a gradient): the forward also
+    issues the backward's launches, for grad_output 1, and keeps their float32 gradients; the
+    backward only multiplies them by grad_output. The GPU then runs the backward's kernels while the
+    host is still returning from the forward and in the autograd engine, where it waited for them
+    before: a float16 step at B = 16384 from an idle GPU took 1.95x four X @ X.T on an H100 before,
+    1.63x on an H200 after (bench/results/gpu/). A forward whose gradient is never taken pays for it,
+    as in Liger-Kernel's fused linear cross entropy. "none" takes its backward in the backward.
+    Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating the
+    gradient again raises, as for every fused backend."""
 
     @staticmethod
-    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
+    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype,
+                gradients_now):
         a, a_norm = _run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None)
         b, b_norm = ref, None
         if normalize and ref is not None:
             b, b_norm = _run(unit_rows_plan, x.device, ref.contiguous())
         losses, stats = _run(forward_plan, x.device, a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters)
-        ctx.save_for_backward(x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
-        ctx.hyper_parameters, ctx.reduction = hyper_parameters, reduction
+        saved = (x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
+        ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
+        if gradients_now:
+            ones = _float32_one(x.device).expand(a.shape[0])
+            ctx.save_for_backward(x, ref, *_EagerLoss.gradients(ctx, saved, ones, float32=True))
+        else:
+            ctx.save_for_backward(*saved)
         return _nan_if_nonfinite(reduce_losses(losses, reduction), x, ref).to(dtype)
 
     @staticmethod
-    def backward(ctx, grad):
-        x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = ctx.saved_tensors
+    def gradients(ctx, saved, grad_loss, float32=False):
+        """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where the input takes
+        no gradient; in the inputs' dtypes, or `float32`."""
+        x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = saved
         batch, ref_grad = a.shape[0], ref is not None and ctx.needs_input_grad[1]
         divisor = batch if ctx.reduction == "mean" and batch else 1
-        grad_loss = grad if ctx.reduction == "none" else grad.expand(batch)
         args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad)
         if a_norm is None:
-            da, db = _backward_of_checked_inputs(*args, grad_divisor=divisor)
-            db = db if ref_grad else None
+            da, db = _backward_of_checked_inputs(*args, grad_divisor=divisor, float32=float32)
         else:  # then the normalisation's backward, from the loss's float32 gradients where they are
             da, db, order = _run(_backward_plan_in_label_order, x.device, *args, grad_divisor=divisor)
-            (da,) = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order) if ctx.needs_input_grad[0] \
-                else (None,)
-            (db,) = _run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm) if ref_grad else (None,)
-        return ops.first_derivative_only((x, ref), da, db) + (None,) * 8
+            dtype = torch.float32 if float32 else None
+            da = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order, dtype)[0] \
+                if ctx.needs_input_grad[0] else None
+            db = _run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm, None, dtype)[0] if ref_grad else None
+        return da if ctx.needs_input_grad[0] else None, db if ref_grad else None
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
+            x, ref, da, db = ctx.saved_tensors
+            da, db = (None if g is None else torch.mul(g, grad.detach(), out=torch.empty_like(t))
+                      for g, t in ((da, x), (db, ref)))
+        else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
+            saved = ctx.saved_tensors
+            x, ref = saved[:2]
+            da, db = _EagerLoss.gradients(ctx, saved, grad)
+        return ops.first_derivative_only((x, ref), da, db) + (None,) * 9
 
 
 def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
     """multi_similarity_loss's result (reduced, in `dtype`) through `_EagerLoss`, for inputs it checked and
     keys it ranked as for the ops (ms_loss_cuda/loss.py, _triton_keys)."""
+    gradients_now = reduction != "none" and torch.is_grad_enabled() and (
+        x.requires_grad or (ref is not None and ref.requires_grad))
     return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids, tuple(hyper_parameters), normalize, reduction,
-                            dtype)
+                            dtype, gradients_now)
 
 
 # the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward the loss calls
