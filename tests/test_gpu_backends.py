@@ -515,6 +515,27 @@ def test_the_eager_loss_issues_its_backward_in_its_forward(monkeypatch):
     assert "_scales_kernel" not in forward_kernels(x.detach(), "sum")[1]
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("chunk_mib", ["0", "1"])
+def test_a_scaled_grad_output_keeps_the_small_entries_of_16_bit_gradients(monkeypatch, chunk_mib):
+    """The eager "mean" computes its gradient in the forward for grad_output 1 and scales it in the
+    backward: it must keep it in float32, or the small entries of a 16-bit "mean" gradient (about
+    1/B) go subnormal before a loss scaler's factor (2^10 here) lifts them, and lose their bits. The
+    same gradient as "none" with grad_output / B for each anchor, which the kernels take at that
+    scale (fused with one column split, as at large B on a GPU, and chunked; no normalisation)."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+    monkeypatch.setattr(triton_kernels.ms_loss, "_multiprocessors", lambda device, interpret: 1)
+    kwargs = to(build_case("self", 301, 16, torch.float32, seed=6), DEVICE)
+    x = F.normalize(kwargs["embeddings"], dim=1).half().requires_grad_()
+    scale, labels = 2.0 ** 10, kwargs["labels"]
+    loss = multi_similarity_loss(x, labels, normalize=False, backend="triton")
+    (got,) = torch.autograd.grad(loss, x, torch.tensor(scale, dtype=loss.dtype, device=DEVICE))
+    losses = multi_similarity_loss(x, labels, normalize=False, reduction="none", backend="triton")
+    (want,) = torch.autograd.grad(losses, x, torch.full_like(losses, scale / 301))
+    assert (want.float().abs() < 6.1e-5 * scale).float().mean() > 0.01  # (entries below float16's normals at 1)
+    torch.testing.assert_close(got, want, rtol=5e-3, atol=1e-6 * want.abs().max().item())
+
+
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
                     reason="runs the GPU's tiles under the interpreter (on a GPU every test does)")
 # the fused backward ("0") and the chunked one in several chunks, in turn: each case and each tile

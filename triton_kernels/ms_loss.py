@@ -49,8 +49,10 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26: this build on an H200 (the eager forward
-that also issues the backward's launches): tests/test_gpu_backends.py on CUDA tensors and
+Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26: on an H200, the eager forward that also
+issues the backward's launches as it stood before two fixes that only the interpreter has run (the
+fused backward's gradient for grad_output 1 kept in float32; the kept float32 one waited for
+once): tests/test_gpu_backends.py on CUDA tensors and
 compute-sanitizer memcheck on the fused, chunked and triangle backwards (bench/gpu_sanitize.py),
 timings in bench/results/gpu/h200/. The build before (c7cd9de: the eager loss as one node
 `_EagerLoss`, the scales kernel's one gradient for all anchors UNIFORM, the normalisation's
@@ -1215,10 +1217,12 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                   mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
-                  capability=None, grad_divisor=1):
+                  capability=None, grad_divisor=1, float32=False):
     """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
     grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
-    without ref_grad. A gradient whose launch splits its columns comes as float32 partials
+    without ref_grad. The chunked backward's gradients are float32, the fused one's in the inputs'
+    dtype, or float32 with `float32` (the eager loss's gradient for grad_output 1, which a 16-bit
+    "mean" would leave subnormal). A gradient whose launch splits its columns comes as float32 partials
     [splits, rows, D], to be summed over the first axis."""
     _check_dtypes(x, ref)
     _check_beta(beta)
@@ -1302,7 +1306,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         row_programs = _cdiv(rows.shape[0], config["BLOCK_M"])
         splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
                                                multiprocessors)
-        out = torch.empty_like(rows) if splits == 1 else rows.new_empty((splits, *rows.shape), dtype=torch.float32)
+        out = torch.empty_like(rows, dtype=torch.float32 if float32 else None) if splits == 1 else \
+            rows.new_empty((splits, *rows.shape), dtype=torch.float32)
         args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
                     b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, norm_ptr=norm,
                     row_scale_ptr=anchor_scale if a_anchors else column_lift,  # (a reference set's rows: one lift)
@@ -1522,7 +1527,7 @@ def _backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_label
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
                             alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
-                            grad_divisor=grad_divisor)
+                            grad_divisor=grad_divisor, float32=float32)
     return _unpadded(grad_x, x, float32), (_unpadded(grad_ref, ref, float32) if ref_grad else grad_ref)
 
 
@@ -1581,7 +1586,10 @@ def _float32_one(device):
 
 @functools.cache
 def _kept_float32_one(device):
-    return torch.ones(1, dtype=torch.float32, device=device)
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    if device.type == "cuda":  # (filled on this call's stream: once, wait for it, before other streams read it)
+        torch.cuda.synchronize(device)
+    return one
 
 
 class _EagerLoss(torch.autograd.Function):
@@ -1595,9 +1603,11 @@ class _EagerLoss(torch.autograd.Function):
     issues the backward's launches, for grad_output 1, and keeps their float32 gradients; the
     backward only multiplies them by grad_output. The GPU then runs the backward's kernels while the
     host is still returning from the forward and in the autograd engine, where it waited for them
-    before: a float16 step at B = 16384 from an idle GPU took 1.95x four X @ X.T on an H100 before,
-    1.63x on an H200 after (bench/results/gpu/). A forward whose gradient is never taken pays for it,
-    as in Liger-Kernel's fused linear cross entropy. "none" takes its backward in the backward.
+    before (with the one-node loss, on an H200: a float16 step at B = 16384 from an idle GPU from
+    3.78 to 2.99 ms, bench/results/gpu/). The gradient stays float32 until the backward scales it
+    (in 16 bits a "mean" gradient's entries of about 1/B would go subnormal before a loss scaler
+    lifts them). A forward whose gradient is never taken pays for it, as in Liger-Kernel's fused
+    linear cross entropy. "none" takes its backward in the backward.
     Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating the
     gradient again raises, as for every fused backend."""
 
@@ -1629,7 +1639,7 @@ class _EagerLoss(torch.autograd.Function):
         if a_norm is None:
             da, db = _backward_of_checked_inputs(*args, grad_divisor=divisor, float32=float32)
         else:  # then the normalisation's backward, from the loss's float32 gradients where they are
-            da, db, order = _run(_backward_plan_in_label_order, x.device, *args, grad_divisor=divisor)
+            da, db, order = _run(_backward_plan_in_label_order, x.device, *args, grad_divisor=divisor, float32=float32)
             dtype = torch.float32 if float32 else None
             da = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order, dtype)[0] \
                 if ctx.needs_input_grad[0] else None
