@@ -9,7 +9,8 @@
 # float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and 1024 x 1048576,
 # D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32", the last float32 under
 # TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend,
-# of the same with its fused backward and of the cuda backend, against the step's wall time and host time;
+# of the same with its fused backward and of the cuda backend, against the step's wall time and host time,
+# and where the GPU waits inside 10 steps timed from an idle GPU;
 # bench/host_time.py: the host's time of a triton step, two ways; with BEFORE=another checkout,
 # bench/host_time_versus.py: this checkout's step and that one's, taking turns).
 # On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
@@ -88,7 +89,7 @@ for step in $STEPS; do
         --max-seconds 10 $providers ${tuned:+--tuned "$DIR/tune.json"} --out "$DIR/bench-$dtype"
     done ;;
   kernels)
-    run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 \
+    run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --idle 10 \
       --providers triton triton-fused cuda
     run_step host-time 300 $PY bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512 \
       --steps 50 --rounds 3 --out "$DIR/host-time.txt"

@@ -2,7 +2,10 @@
 profiler), their sum, the step's wall time, so launch overhead and host syncs show as the gap, the
 host's time to issue a step (from an idle GPU until the step returns, median of --steps), and the
 host ops that take most of it (their own CPU time under the profiler); --cprofile N: also the N
-Python functions with the most own time in --steps steps (cProfile), where the host's Python goes.
+Python functions with the most own time in --steps steps (cProfile), where the host's Python goes;
+--idle N: N steps each from an idle GPU (as the benchmark's first column times them), and where
+the GPU waited inside them: when the first kernel began after the step did, when the host
+returned, and the longest gaps between kernels, named by the kernels on either side.
     python bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --providers triton cuda
 Shapes: B (self case) or BxR (B anchors against a memory bank of R rows). Data as bench/benchmark.py
 (P x M batches, typical hardness).
@@ -13,7 +16,8 @@ import pstats
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmark import HARDNESS, make_inputs, step_function
 from host_time import host_time
@@ -27,6 +31,7 @@ def main():
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--idle", type=int, default=0, metavar="N")
     args = parser.parse_args()
     for shape in args.shapes:
         batch, _, ref_rows = shape.partition("x")
@@ -73,6 +78,61 @@ def main():
                 torch.cuda.synchronize()
                 print(f"  Python functions by own time, {args.steps} steps (cProfile):")
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+            if args.idle:
+                idle_steps(step, x, args.idle)
+
+
+IDLE_STEP = "idle step"
+
+
+def idle_steps(step, x, count, gaps_shown=6):
+    """`count` steps, each after a synchronize, under the profiler; per step (µs from the host's start
+    of it): the first kernel's start, the host's return, the last kernel's end, and the GPU's idle
+    time in between; for the step of median length its longest gaps between kernels. (The profiler
+    adds host work of its own: the host's times are upper bounds.)"""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(count):
+            torch.cuda.synchronize()
+            x.grad = None
+            with record_function(IDLE_STEP):
+                step(x)
+        torch.cuda.synchronize()
+    events = prof.events()
+    hosts = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == IDLE_STEP and e.device_type == DeviceType.CPU)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and e.name != IDLE_STEP)  # (its GPU-side annotation)
+    rows = [gaps(begin, end, [k for k in kernels if begin <= k[0] < following])
+            for (begin, end), following in zip(hosts, [h[0] for h in hosts[1:]] + [float("inf")])]
+    rows = sorted((row for row in rows if row is not None), key=lambda row: row["span"])
+    if not rows:
+        print("  no kernel ran in the idle steps")
+        return
+    print(f"  {len(rows)} steps from an idle GPU (us from the step's start; min / median / max):")
+    for key, label in (("first", "first kernel starts"), ("host", "host returns"), ("span", "last kernel ends"),
+                       ("idle", "GPU idle in between")):
+        values = sorted(row[key] for row in rows)
+        print(f"    {label:20} {values[0]:8.0f} {values[len(values) // 2]:8.0f} {values[-1]:8.0f}")
+    median = rows[len(rows) // 2]
+    print("  its longest gaps, the median step (at, length, between):")
+    for at, length, before, after in sorted(median["gaps"], key=lambda g: -g[1])[:gaps_shown]:
+        print(f"    {at:8.0f} {length:7.0f}  {before[:45]} -> {after[:45]}")
+
+
+def gaps(begin, host_end, kernels):
+    """One step's GPU timeline from its kernels' (start, end, name), in µs after `begin`: None without
+    kernels; else the first kernel's start, the host's return, the last kernel's end, the idle time
+    before and between kernels, and each gap (at, length, kernel before, kernel after)."""
+    if not kernels:
+        return None
+    busy_until, before, found = begin, "(step start)", []
+    for start, end, name in kernels:
+        if start > busy_until:
+            found.append((busy_until - begin, start - busy_until, before, name))
+        if end > busy_until:
+            busy_until, before = end, name
+    return {"first": kernels[0][0] - begin, "host": host_end - begin, "span": busy_until - begin,
+            "idle": sum(g[1] for g in found), "gaps": found}
 
 
 if __name__ == "__main__":
