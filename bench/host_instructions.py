@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from host_time import add_size_options
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ("self", "memory bank")
 
@@ -72,9 +74,7 @@ def count(runs, steps):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("checkouts", nargs="*", help="checkout roots ('.': this one)")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--ref-rows", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=128)
+    add_size_options(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--launches", default="launcher", choices=("launcher", "stubbed"))
     parser.add_argument("--out")

@@ -20,6 +20,14 @@ import statistics
 import time
 
 
+def add_size_options(parser):
+    """The step's sizes (--batch, --ref-rows, --dim), one set of defaults for the host-time scripts,
+    whose figures compare at equal sizes only."""
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--ref-rows", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=128)
+
+
 def step_times(step, x, steps, synchronize):
     """Seconds from an idle device until step(x) returns, for each of `steps` steps (bench/benchmark.py's)."""
     times = []
@@ -112,9 +120,7 @@ def report(lines, out=None):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--ref-rows", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=128)
+    add_size_options(parser)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

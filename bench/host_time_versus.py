@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from host_time import add_size_options
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -71,9 +73,7 @@ def serve(args):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("other", nargs="?", help="the other checkout's root")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--ref-rows", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=128)
+    add_size_options(parser)
     parser.add_argument("--turns", type=int, default=20, help="turns per checkout and case")
     parser.add_argument("--chunk", type=int, default=50, help="steps per turn")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
