@@ -71,7 +71,7 @@ def without_driver_calls():
 def cpu_stand_in(kernels, launches):
     """The GPU's step on CPU tensors (`kernels`: the triton backend's ms_loss module): its launch plans
     as they are; each launch through Triton's launch path (launches="launcher") or dropped whole
-    ("stubbed"); the cuBLAS products left out."""
+    ("stubbed"); the cuBLAS products left out; the self case's label order zeroed (one op)."""
     import sys
 
     import torch
@@ -85,6 +85,14 @@ def cpu_stand_in(kernels, launches):
         kernels.Launch.__call__ = lambda launch: None
     else:
         without_driver_calls()
+    launch = kernels.Launch.__call__
+
+    def with_label_order(self):
+        launch(self)
+        if self.kernel is kernels._label_order_kernel:  # valid indices for the backward's plan to read, where
+            self.args["saved_ptr"].zero_()  # the kernel writes the self case's label order (an op a GPU's step has not)
+
+    kernels.Launch.__call__ = with_label_order
 
 
 def count_launches(kernels):

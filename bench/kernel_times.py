@@ -85,10 +85,10 @@ def main():
 IDLE_STEP = "idle step"
 
 
-def idle_steps(step, x, count, gaps_shown=6):
+def idle_steps(step, x, count, min_gap=5):
     """`count` steps, each after a synchronize, under the profiler; per step (µs from the host's start
     of it): the first kernel's start, the host's return, the last kernel's end, and the GPU's idle
-    time in between; for the step of median length its longest gaps between kernels. (The profiler
+    time in between; for the step of median length its gaps between kernels (of min_gap us and more). (The profiler
     adds host work of its own: the host's times are upper bounds.)"""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(count):
@@ -102,6 +102,10 @@ def idle_steps(step, x, count, gaps_shown=6):
                    if e.name == IDLE_STEP and e.device_type == DeviceType.CPU)
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                      if e.device_type == DeviceType.CUDA and e.name != IDLE_STEP)  # (its GPU-side annotation)
+    # the host's call that issued each kernel (a runtime event with the kernel's correlation id)
+    calls = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU and e.name.startswith(
+        ("cudaLaunch", "cuLaunch", "cudaMemsetAsync", "cudaMemcpyAsync"))}
+    issued = {e.time_range.start: calls[e.id] for e in events if e.device_type == DeviceType.CUDA and e.id in calls}
     rows = [gaps(begin, end, [k for k in kernels if begin <= k[0] < following])
             for (begin, end), following in zip(hosts, [h[0] for h in hosts[1:]] + [float("inf")])]
     rows = sorted((row for row in rows if row is not None), key=lambda row: row["span"])
@@ -114,9 +118,14 @@ def idle_steps(step, x, count, gaps_shown=6):
         values = sorted(row[key] for row in rows)
         print(f"    {label:20} {values[0]:8.0f} {values[len(values) // 2]:8.0f} {values[-1]:8.0f}")
     median = rows[len(rows) // 2]
-    print("  its longest gaps, the median step (at, length, between):")
-    for at, length, before, after in sorted(median["gaps"], key=lambda g: -g[1])[:gaps_shown]:
-        print(f"    {at:8.0f} {length:7.0f}  {before[:45]} -> {after[:45]}")
+    print(f"  the median step's kernels (us: issued by the host, started, length, the GPU idle before it where "
+          f"{min_gap} us or more):")
+    idle_before = {after_start: length for _, length, _, _, after_start in median["gaps"]}
+    for start, end, name in median["kernels"]:
+        idle, issue = idle_before.get(start, 0), issued.get(start + median["begin"])
+        issue = "" if issue is None else f"{issue - median['begin']:8.0f}"
+        print(f"    {issue:8} {start:8.0f} {end - start:7.0f} "
+              f"{f'{idle:7.0f}' if idle >= min_gap else '':7}  {name[:70]}")
 
 
 def gaps(begin, host_end, kernels):
@@ -128,11 +137,12 @@ def gaps(begin, host_end, kernels):
     busy_until, before, found = begin, "(step start)", []
     for start, end, name in kernels:
         if start > busy_until:
-            found.append((busy_until - begin, start - busy_until, before, name))
+            found.append((busy_until - begin, start - busy_until, before, name, start - begin))
         if end > busy_until:
             busy_until, before = end, name
     return {"first": kernels[0][0] - begin, "host": host_end - begin, "span": busy_until - begin,
-            "idle": sum(g[1] for g in found), "gaps": found}
+            "idle": sum(g[1] for g in found), "gaps": found, "begin": begin,
+            "kernels": [(start - begin, end - begin, name) for start, end, name in kernels]}
 
 
 if __name__ == "__main__":

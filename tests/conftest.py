@@ -26,6 +26,19 @@ def make_batch(batch, dim, classes, *, dtype=torch.float64, seed=0, spread=1.0, 
     return x.to(dtype), labels.to(labels_dtype)
 
 
+def label_order_by_torch(keys, block_m):
+    """The self case's label order by torch's ops (the reference for the triton backend's
+    _label_order_kernel): the stable order of the keys, the first position of each sorted key, each
+    key's rank in the caller's order and, for blocks of block_m positions, where the first key of
+    the block begins and where the last one ends [blocks, 2]; int64 tensors."""
+    wide = keys.long()
+    sorted_keys, order = torch.sort(wide, stable=True)
+    first = torch.searchsorted(sorted_keys, sorted_keys)
+    ends = torch.searchsorted(sorted_keys, sorted_keys, right=True)
+    lasts = ends[[min(start + block_m, len(keys)) - 1 for start in range(0, len(keys), block_m)]]
+    return order, first, torch.searchsorted(sorted_keys, wide), torch.stack([first[::block_m], lasts], 1)
+
+
 def assert_close(actual, expected, rtol, min_scale=1e-2):
     """|actual - expected| <= rtol * (|expected| + max(|expected|)) elementwise: relative to the
     tensor's largest entry, so gradients whose true value is ~0 compare at the right scale

@@ -5,11 +5,26 @@ the chunked one. No GPU needed: the plans are made for CPU tensors with the GPU 
 (interpret=False)."""
 import pytest
 import torch
+from conftest import label_order_by_torch
 
 triton_kernels = pytest.importorskip("ms_loss_cuda.triton_kernels")
 
 H100 = 132
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float32-tf32": torch.float32}
+
+
+def _forward_plan(x, labels, ref, ref_labels, hyper):
+    """forward_plan for an H100; in the self case with what its first launch (_label_order_kernel) writes,
+    by torch's ops: the positive ranges the cost model reads and the order the backward's plan reads
+    (interpreting the kernel at these sizes takes seconds)."""
+    loss, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper,
+                                                       interpret=False, multiprocessors=H100)
+    if ref is None:
+        args = forward[0].args
+        order, first, _, ranges = label_order_by_torch(labels, args["block_m"])
+        args["saved_ptr"].copy_(torch.stack([order, first]))
+        args["range_ptr"].copy_(ranges)
+    return loss, stats, forward
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +46,7 @@ def _cost(batch, dim, dtype_name, ref_rows=None, mining=True, ref_grad=True, per
             ref = torch.zeros(ref_rows, dim, dtype=dtype)
             ref_labels = torch.randint(0, ref_rows // per_class, (ref_rows,), generator=torch.Generator().manual_seed(0))
         hyper = (2.0, 50.0, 0.5, 0.1, mining, False)
-        _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper,
-                                                        interpret=False, multiprocessors=H100)
+        _, stats, forward = _forward_plan(x, labels, ref, ref_labels, hyper)
         *_, backward = triton_kernels.backward_plan(torch.ones(batch), stats, x, labels, None, ref, ref_labels, None,
                                                     *hyper, ref_grad=ref_grad, interpret=False, multiprocessors=H100)
         cost = triton_kernels.plan_cost(forward + backward, batch, batch if ref is None else ref_rows, dim)

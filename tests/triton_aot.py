@@ -64,6 +64,10 @@ def launches(dtype_name, dim, mining, skip, cc):
     for case, i, r, rl in cases:
         capability = divmod(cc, 10)
         _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
+        if r is None:  # the label order _label_order_kernel would write, which the backward's plan reads
+            order = torch.sort(labels, stable=True).indices
+            ranks = torch.searchsorted(labels[order], labels[order])
+            stats[4:].view(torch.int32).copy_(torch.stack([order, ranks]))
         with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB="0"):  # the fused backward (a GPU's default: chunked)
             *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,
                                          capability=capability)

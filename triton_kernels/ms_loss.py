@@ -734,6 +734,53 @@ def _unit_rows_grad_kernel(g_ptr, g_stride, y_ptr, norm_ptr, dt_ptr, order_ptr, 
         tl.store(dt_ptr + at, tl.div_rn(g - y * along[:, None], norm[:, None]).to(dt_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _search(sorted_ptr, key, num, steps, ok, RIGHT: tl.constexpr):
+    """Where `key` goes in sorted_ptr[:num] (steps >= num.bit_length() halvings): before its equals, or
+    after them (RIGHT), as torch.searchsorted."""
+    lo = tl.zeros_like(key).to(tl.int32)
+    hi = lo + num
+    for _ in range(steps):
+        active = ok & (lo < hi)
+        mid = (lo + hi) // 2
+        value = tl.load(sorted_ptr + mid, mask=active, other=0)
+        if RIGHT:
+            after = value <= key
+        else:
+            after = value < key
+        lo = tl.where(active & after, mid + 1, lo)
+        hi = tl.where(active & ~after, mid, hi)
+    return lo
+
+
+@triton.jit
+def _label_order_kernel(sorted_ptr, order_ptr, saved_ptr, ranks_ptr, range_ptr, rows_ptr, ordered_ptr, num, steps,
+                        block_m, dim, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_label_order` after its sort, in one launch where torch's ops took six: for each position p of
+    the keys' stable sort (sorted keys, int64 order), saved[0, p] = order[p] and saved[1, p] = the
+    first position of its key; ranks[order[p]] = that too (each key's rank, in the caller's order);
+    ranges[k] = (the first position of block k's first key, one past the last of its last key's)
+    for blocks of block_m positions; ROWS: ordered[p] = rows[order[p]] (contiguous [num, dim])."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = p < num
+    key = tl.load(sorted_ptr + p, mask=ok, other=0)
+    first = _search(sorted_ptr, key, num, steps, ok, False)
+    order = tl.load(order_ptr + p, mask=ok, other=0).to(tl.int32)
+    tl.store(saved_ptr + p, order, mask=ok)
+    tl.store(saved_ptr + num + p, first, mask=ok)
+    tl.store(ranks_ptr + order, first, mask=ok)
+    block, at = p // block_m, p % block_m
+    tl.store(range_ptr + 2 * block, first, mask=ok & (at == 0))
+    last = ok & ((at == block_m - 1) | (p == num - 1))
+    tl.store(range_ptr + 2 * block + 1, _search(sorted_ptr, key, num, steps, last, True), mask=last)
+    if ROWS:
+        for k in range(0, dim, BLOCK_D):
+            ks = k + tl.arange(0, BLOCK_D)
+            column_ok = ok[:, None] & (ks < dim)[None, :]
+            row = tl.load(rows_ptr + order[:, None].to(tl.int64) * dim + ks[None, :], mask=column_ok)
+            tl.store(ordered_ptr + p[:, None].to(tl.int64) * dim + ks[None, :], row, mask=column_ok)
+
+
 # ---- launch plans -----------------------------------------------------------------------------
 class Launch(NamedTuple):
     """One kernel launch: tensors and scalars in `args`, specialisations in `constexprs`."""
@@ -745,8 +792,56 @@ class Launch(NamedTuple):
     num_stages: int
 
     def __call__(self):
-        self.kernel[self.grid](**self.args, **self.constexprs,
-                               num_warps=self.num_warps, num_stages=self.num_stages)
+        key = None if INTERPRETED else self._key()
+        compiled = _compiled_kernels.get(key)
+        if compiled is None or _launch_hooks_set() or self.kernel.pre_run_hooks:
+            compiled = self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps,
+                                              num_stages=self.num_stages)
+            if key is not None:
+                _compiled_kernels[key] = compiled
+            return
+        values = self.args | self.constexprs
+        grid = self.grid + (1,) * (3 - len(self.grid))
+        compiled.run(*grid, triton.runtime.driver.active.get_current_stream(key[1]), compiled.function,
+                     compiled.packed_metadata, None, None, None, *[values[name] for name in key[2]])
+
+    def _key(self):
+        """What selects the compiled kernel that Triton's own launch would pick (how it specialises each
+        argument: a tensor's dtype and 16-byte alignment, an integer's width, whether it is 1 and a
+        multiple of 16), the device, and the kernel's parameters in order; None for an argument of
+        another kind (then every launch takes Triton's path)."""
+        spec = []
+        for value in self.args.values():
+            if isinstance(value, torch.Tensor):
+                spec.append((value.dtype, value.data_ptr() % 16))
+            elif isinstance(value, int) and not isinstance(value, bool):
+                spec.append((value == 1, value % 16, -0x80000000 <= value <= 0x7fffffff, value >= 0))
+            elif isinstance(value, (float, bool)):
+                spec.append(type(value))
+            else:
+                return None
+        return (self.kernel, triton.runtime.driver.active.get_current_device(), _parameters(self.kernel),
+                self.num_warps, self.num_stages, tuple(self.args), tuple(spec), tuple(self.constexprs.items()))
+
+
+@functools.cache
+def _parameters(kernel):
+    """A jit function's parameter names in order (Triton's launcher takes every one, constexprs too)."""
+    return tuple(param.name for param in kernel.params)
+
+
+def _launch_hooks_set():
+    """Whether a launch hook is set (Triton 3.6-3.9 keep them as HookChains, older ones as None)."""
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook))
+
+
+# Direct launches (`Launch`): Triton's launch path binds and specialises every argument and looks up
+# its cache on each call, about 25 us of host time a launch, which an eager step from an idle GPU
+# waits for before its heavy kernels start; a launch whose arguments specialise as an earlier one's
+# calls that compiled kernel's launcher directly (the arguments as Triton passes them, every
+# parameter in order). Launch hooks (a profiler such as Proton) take Triton's path.
+_compiled_kernels = {}
 
 
 class Unlift(NamedTuple):
@@ -1001,7 +1096,7 @@ def _operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     x = _aligned_rows(x, dtype)
     ref = None if ref is None else _aligned_rows(ref, dtype)
     if ids is None and default_ids:
-        ids = torch.arange(batch, device=x.device, dtype=torch.int32)
+        ids = _row_indices(batch, x.device)
     if ref is None:
         ids = None if ids is None else int32_keys(ids, ids)[0]
         return x, x, labels, ids, labels, ids
@@ -1071,24 +1166,18 @@ def column_splits(row_programs, num_cols, block_n, multiprocessors):
     return _cdiv(col_tiles, tiles_per_split), tiles_per_split * block_n
 
 
-def positive_ranges(row_keys, col_keys, block_m, self_case):
-    """Where each row block's positives are, built on the device without a host sync (so a step can
-    be captured in a CUDA graph): (row order, column order, segment ends, column shifts, ranges).
-    The anchors are taken in label order (row order) and the columns too (column order), so block k
-    (anchors row_order[k*block_m:(k+1)*block_m]) holds a run of sorted labels, and its positive list
-    is slots ranges[k, 0] .. ranges[k, 1] of one numbering that names exactly the columns of those
-    labels (self case: about 128 for 128 anchors of a P x M batch).
-    Self case (segment ends and shifts None): the columns are the anchors, so every label of the run
-    has all its columns inside one slice of the column order, and slot q is column column_order[q].
-    Reference set: a label between two of the block's may have columns but no anchor here, so the
-    list is built of segments: the first anchor of each label in the block owns the slice of the
+def positive_ranges(row_keys, col_keys, block_m):
+    """Where each row block's positives in a reference set are, built on the device without a host
+    sync (so a step can be captured in a CUDA graph): (row order, column order, segment ends, column
+    shifts, ranges). The anchors are taken in label order (row order) and the columns too (column
+    order), so block k (anchors row_order[k*block_m:(k+1)*block_m]) holds a run of sorted labels, and
+    its positive list is slots ranges[k, 0] .. ranges[k, 1] of one numbering that names exactly the
+    columns of those labels. (The self case's columns are the anchors: every label of the run has
+    all its columns inside one slice of the label order, `_label_order`.) A label between two of the
+    block's may have columns but no anchor here, so the list is built of segments: the first anchor of each label in the block owns the slice of the
     column order that holds that label's columns; slot q of anchor a's segment
     (segment_end[a - 1] <= q < segment_end[a]) is column column_order[q + column_shift[a]] (a memory
     bank of random classes costs no more than the self case)."""
-    if self_case:
-        _, row_order, ranges = _label_order(row_keys, block_m, row_keys.new_empty((2, row_keys.shape[0]),
-                                                                                   dtype=torch.int32))
-        return row_order, row_order, None, None, ranges
     row_sorted, row_order = torch.sort(row_keys, stable=True)
     row_order = row_order.to(torch.int32)
     col_sorted, col_order = torch.sort(col_keys, stable=True)
@@ -1111,20 +1200,37 @@ def _block_lasts(t, block_m):
     return torch.cat([lasts, t[-1:]]) if t.shape[0] % block_m else lasts
 
 
-def _label_order(keys, block_m, saved):
-    """The self case in label order, from one stable sort of its keys: (int32 ranks of the keys in the
-    caller's order, equal exactly where the keys are; the int32 order that sorts them; ranges
-    [blocks, 2]). Block k of block_m rows in that order has the columns of its labels, its positives
-    among them, in slots ranges[k, 0] .. ranges[k, 1] of the same order, and every other column is a
-    negative of all of its rows. `saved` (int32 [2, B]) receives the order and the sorted ranks:
-    the forward's stats keep them for the backward (`saved_label_order`), which then sorts nothing."""
+class LabelOrder(NamedTuple):
+    """The self case in label order (`_label_order`); the int32 tensors are filled by `launch`."""
+    ranks: torch.Tensor  # int32 [B]: each key's rank, in the caller's order (equal exactly where the keys are)
+    order: torch.Tensor  # int32 [B]: the stable order that sorts the keys (saved[0])
+    sort_order: torch.Tensor  # the same order, int64, ready before the launch
+    ranges: torch.Tensor  # int32 [blocks, 2]
+    rows: Optional[torch.Tensor]  # the rows in that order (with `rows`), else None
+    launch: Launch
+
+
+def _label_order(keys, block_m, saved, rows=None):
+    """The self case in label order, from one stable sort of its keys (`LabelOrder`). Block k of block_m
+    rows in that order has the columns of its labels, its positives among them, in slots ranges[k, 0]
+    .. ranges[k, 1] of the same order, and every other column is a negative of all of its rows.
+    `saved` (int32 [2, B], contiguous) receives the order and the sorted ranks: the forward's stats
+    keep them for the backward (`saved_label_order`), which then sorts nothing. `rows` (contiguous
+    [B, D]): a copy of them in that order too. All but the sort is `_label_order_kernel`'s launch."""
     if keys.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
-        keys = keys.to(torch.int64)  # (what searchsorted takes: uint16-64 values stay distinct in int64)
+        keys = keys.to(torch.int64)  # (uint16-64 values stay distinct in int64, and sort and compare as there)
     sorted_keys, order = torch.sort(keys.contiguous(), stable=True)
-    saved[0].copy_(order)
-    torch.searchsorted(sorted_keys, sorted_keys, out_int32=True, out=saved[1])
-    return (torch.searchsorted(sorted_keys, keys.contiguous(), out_int32=True), saved[0],
-            _block_ranges(saved[1], block_m))
+    num = keys.shape[0]
+    ranks = torch.empty_like(order, dtype=torch.int32)
+    ranges = order.new_empty((_cdiv(num, block_m), 2), dtype=torch.int32)
+    ordered = None if rows is None else torch.empty_like(rows)
+    block_d = 16 if rows is None else min(_pow2_at_least_16(rows.shape[1]), 512)
+    launch = Launch(_label_order_kernel, (_cdiv(num, 2048 // block_d),),
+                    dict(sorted_ptr=sorted_keys, order_ptr=order, saved_ptr=saved, ranks_ptr=ranks, range_ptr=ranges,
+                         rows_ptr=order if rows is None else rows, ordered_ptr=order if rows is None else ordered,
+                         num=num, steps=num.bit_length(), block_m=block_m, dim=0 if rows is None else rows.shape[1]),
+                    dict(ROWS=rows is not None, BLOCK_P=2048 // block_d, BLOCK_D=block_d), 4, 1)
+    return LabelOrder(ranks, saved[0], order, ranges, ordered, launch)
 
 
 def _block_ranges(first, block_m):
@@ -1171,12 +1277,14 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     capability = capability or _capability(x.device)
     config, warps, stages = _split(tile_config("forward", a.dtype, dim, interpret, capability))
     row_programs = _cdiv(num_x, config["BLOCK_M"])
-    if ref is None:  # one sort of the labels, kept in stats for the backward
-        a_labels, row_order, ranges = _label_order(a_labels, config["BLOCK_M"], stats[4:].view(torch.int32))
+    launches, labels_given = [], a_labels
+    if ref is None:  # one sort of the labels, kept in stats for the backward; the rows in label order too
+        in_order = _label_order(a_labels, config["BLOCK_M"], stats[4:].view(torch.int32), a)
+        a_labels, row_order, ranges, launches = in_order.ranks, in_order.order, in_order.ranges, [in_order.launch]
         b_labels, col_order, segment_end, column_shift = a_labels, row_order, None, None
     else:
         row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels,
-                                                                                  config["BLOCK_M"], False)
+                                                                                  config["BLOCK_M"])
     splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
                                            multiprocessors or _multiprocessors(x.device, interpret))
     minpos = torch.empty(2, num_x, dtype=torch.float32, device=x.device)  # (and the positive ranges' maxneg)
@@ -1192,13 +1300,14 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     skip_range, check_ids = ref is None, ref is None and ids is not None
     columns = dict(shared_ids_ptr=a_ids)  # (read with CHECK_IDS only: any pointer will do otherwise)
     if skip_range:
-        columns["ref_ptr"] = a.index_select(0, col_order)
-    if check_ids:
-        columns.update(ref_ids_ptr=a_ids.index_select(0, col_order), shared_ids_ptr=_shared_identities(a_ids, a_labels))
+        columns["ref_ptr"] = in_order.rows
+    if check_ids:  # (torch's ops, issued before the launches: the sort's own order and the labels as given)
+        columns.update(ref_ids_ptr=a_ids.index_select(0, in_order.sort_order),
+                       shared_ids_ptr=_shared_identities(a_ids, labels_given))
     # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
     # of 128 would be half empty), and _finish_kernel's two sums spill on 128 x 128 (sm_80, Triton 3.9)
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
-    launches = [
+    launches += [
         Launch(_minpos_kernel, (row_programs,), dict(tensors, **positives), dict(in_range, SEGMENTED=segmented),
                warps, stages),
         Launch(_negatives_kernel, (row_programs, splits),
@@ -1574,6 +1683,22 @@ class _UnitRows(torch.autograd.Function):
 
 
 unit_rows = _UnitRows.apply
+
+
+def _row_indices(rows, device):
+    """int32 0 .. rows - 1 on `device` (the self case's default identities): made once for each size
+    (no op a step), as `_float32_one`."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(rows, device=device, dtype=torch.int32)
+    return _kept_row_indices(rows, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _kept_row_indices(rows, device):
+    indices = torch.arange(rows, device=device, dtype=torch.int32)
+    if device.type == "cuda":  # (once: wait for it before other streams read it)
+        torch.cuda.synchronize(device)
+    return indices
 
 
 def _float32_one(device):
