@@ -699,6 +699,26 @@ def test_the_label_order_kernel_sorts_ranks_and_copies_the_rows(batch, classes, 
         assert sorted(order[start:end].tolist()) == wanted.tolist()
 
 
+@pytest.mark.parametrize("case", ["self", "ref"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e38])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_non_finite_embeddings_give_nan_and_huge_finite_ones_do_not(target, case, bad, normalize):
+    """NaN or an infinity in the embeddings (or the reference set) makes the loss NaN, every reduction,
+    whether the eager triton loss takes its gradients in the forward or not (which finds them, with
+    normalisation, in its row kernel); a finite 3e38 (float32's squares overflow) does not."""
+    if bad == 3e38 and not normalize:
+        pytest.skip("unnormalised, a similarity of 3e38 squared overflows")
+    x, labels = make_batch(12, 4, 3, dtype=torch.float32)
+    ref, ref_labels = make_batch(9, 4, 3, dtype=torch.float32, seed=1) if case == "ref" else (None, None)
+    (x if case == "self" else ref)[3, 1] = bad
+    bank = {} if ref is None else dict(ref_embeddings=ref.to(target.device), ref_labels=ref_labels.to(target.device))
+    for reduction, requires_grad in (("mean", True), ("sum", False), ("none", True)):
+        embeddings = x.to(target.device).requires_grad_(requires_grad)
+        loss = multi_similarity_loss(embeddings, labels.to(target.device), backend=target.backend,
+                                     normalize=normalize, reduction=reduction, **bank)
+        assert (torch.isfinite(loss) if bad == 3e38 else torch.isnan(loss)).all(), (reduction, loss)
+
+
 def test_int64_keys_beyond_the_int32_range(target):
     # Keys equal in their low 32 bits: a kernel that truncated them would merge every class.
     kwargs = build_case("ref_ids", 61, 16, torch.float32, seed=13)
@@ -932,12 +952,13 @@ def test_the_triton_normalisation_matches_torchs(dtype, shape):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,normalizing,most", [("self", 2, 30), ("memory_bank", 3, 52)])
-def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizing, most):
+@pytest.mark.parametrize("case,rows,most", [("self", 3, 27), ("memory_bank", 4, 47)])
+def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, rows, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
-    backward (normalised 16-bit rows, "mean") issues the loss's 5 kernel launches (6 in the self case), `normalizing` of
-    the row kernels (the batch forward and backward, the bank forward) and at most `most` other ops,
+    backward (normalised 16-bit rows, "mean") issues the loss's 5 kernel launches (6 in the self
+    case), `rows` of the row kernels (the batch's normalisation forward and backward, the gradient's
+    scaling by grad_output, the bank's normalisation) and at most `most` other ops,
     as many as today's build (71 and 80 before the trim; then 1 more in the self case for the
     label-ordered copy of the anchors that its negatives kernel reads and 13 to put its backward in
     label order: a sort, the ranges, four gathers; 69 and 77 before the row kernels took the place of
@@ -949,9 +970,12 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     kernel and hands the normalisation's backward the float32 gradient as it is; 2 more since the
     forward issues the backward's launches and the backward scales their result: an empty_like and a
     mul; 5 fewer in the self case since its label order after the sort is one more launch,
-    _label_order_kernel, and the default identities are kept: the kernels are stubbed out, but for
-    that one, which the backward's plan reads: this counts the host's work of a step after the
-    first). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS products
+    _label_order_kernel, and the default identities are kept; 27 and 47 since the eager backward
+    reads the forward's label-ordered rows, the
+    normalisation finds non-finite rows as it reads them (a sum and an add where the extremes of
+    each input took three ops) and the scaling by grad_output is a row kernel: the kernels are
+    stubbed out, but for _label_order_kernel, whose order the backward's plan reads: this counts
+    the host's work of a step after the first). The fused backward (a GPU's default, the chunked one, issues more: its cuBLAS products
     and buffers)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")
     launched, kernels = [], triton_kernels.ms_loss
@@ -975,5 +999,5 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, normalizin
     x.grad = None
     with _TensorOps() as tensor_ops:
         multi_similarity_loss(x, labels, backend="triton", **bank).backward()
-    assert len(launched) == 5 + (case == "self") + normalizing
+    assert len(launched) == 5 + (case == "self") + rows
     assert len(tensor_ops.names) <= most, " ".join(tensor_ops.names)

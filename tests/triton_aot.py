@@ -23,7 +23,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
-from ms_loss_cuda.triton_kernels.ms_loss import Launch, unit_rows_grad_plan, unit_rows_plan
+from ms_loss_cuda.triton_kernels.ms_loss import Launch, scaled_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
@@ -49,7 +49,7 @@ def launches(dtype_name, dim, mining, skip, cc):
     hyper = (2.0, 50.0, 0.5, 0.1, mining, skip)
     found = {}
     if dim in ROW_KERNEL_DIMS and not dtype_name.endswith("-tf32") and mining and not skip:
-        y, norm, normalize = unit_rows_plan(x)
+        y, norm, _, normalize = unit_rows_plan(x)
         found.update((launch.kernel.fn.__name__, launch) for launch in normalize + unit_rows_grad_plan(x, y, norm)[1])
         # the eager loss's: the backward's float32 rows, the chunked one's padded and in label order, into
         # the input's dtype ("none") or into float32 (the gradient its forward makes for "mean" and "sum")
@@ -57,6 +57,8 @@ def launches(dtype_name, dim, mining, skip, cc):
         for out, suffix in ((None, ""), (torch.float32, "[to_float32]")):
             found["_unit_rows_grad_kernel[ordered]" + suffix] = unit_rows_grad_plan(padded, y, norm, order, out)[1][0]
             found["_unit_rows_grad_kernel[float32]" + suffix] = unit_rows_grad_plan(padded, y, norm, None, out)[1][0]
+        # the eager loss's backward: its float32 gradient for grad_output 1 times the grad_output
+        found["_scaled_rows_kernel"] = scaled_rows_plan(padded[:, :dim], torch.ones((), dtype=dtype), dtype)[1][0]
     cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down

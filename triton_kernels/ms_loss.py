@@ -673,17 +673,21 @@ def _row_block(t_ptr, rows, k, num_rows, dim, stride, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, WIDE_SUMS: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUMS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): ms_loss_cuda.loss.unit_rows
     in one launch where it takes four (the norm, its clamp and cast, the division). WIDE_SUMS (float32
-    and bfloat16 rows): the squares summed in float64, as there (float32's overflow from 1.8e19 on)."""
+    and bfloat16 rows): the squares summed in float64, as there (float32's overflow from 1.8e19 on).
+    finite: 0 for a row of finite values, NaN for one with a NaN or an infinity (the sum of t * 0),
+    which the eager loss adds to its result instead of reading t again."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     squares = tl.zeros((BLOCK_R,), tl.float32)
+    finite = tl.zeros((BLOCK_R,), tl.float32)
     if WIDE_SUMS:
         squares = squares.to(tl.float64)
     for k in range(0, dim, BLOCK_D):
         t, _, _ = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        finite += tl.sum(t * 0.0, axis=1)
         if WIDE_SUMS:
             t = t.to(tl.float64)
         squares += tl.sum(t * t, axis=1)
@@ -693,9 +697,39 @@ def _unit_rows_kernel(t_ptr, y_ptr, norm_ptr, num_rows, dim, WIDE_SUMS: tl.const
         norm = tl.sqrt_rn(squares)
     norm = tl.maximum(norm, 1e-12)
     tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
+    tl.store(finite_ptr + rows, finite, mask=rows < num_rows)
     for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
         t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         tl.store(y_ptr + at, tl.div_rn(t, norm[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _unlifted_rows_kernel(t_ptr, lift_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y = t / lift row by row, in t's dtype: the triangle's rows of x for both of its products (see
+    `_chunked_plan`), in one pass where torch's division of 16-bit rows by float32 lifts took three
+    times as long (35 us at B = 16384, D = 512 on an H100). The lifts are powers of 2 up to
+    TRIANGLE_LIFT, so that is exact but where float16 values fall below its normal range (|x| < 2^-7
+    at 2^7): for unit rows of D = 512 at most 3.4e-5 of a row's scale; bench/triangle_precision.py's
+    rows of norm 1e-3 lose 1.1e-2 (1.2e-3 at norm 1e-2, 3.1e-4 in whole rows)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    lift = tl.load(lift_ptr + rows, mask=rows < num_rows, other=1.0)
+    for k in range(0, dim, BLOCK_D):
+        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        tl.store(y_ptr + at, tl.div_rn(t, lift[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _scaled_rows_kernel(g_ptr, g_stride, scale_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """y = g * scale (one value, any float dtype) in y's dtype, rows of g g_stride elements apart: the
+    eager loss's float32 gradient for grad_output 1 times the grad_output, in one pass where torch's
+    mul into another dtype took twice as long (31 us at B = 16384, D = 512 on an H100)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    for k in range(0, dim, BLOCK_D):
+        g, _, ok = _row_block(g_ptr, rows, k, num_rows, dim, g_stride, BLOCK_D)
+        at = rows[:, None].to(tl.int64) * dim + (k + tl.arange(0, BLOCK_D))[None, :]
+        tl.store(y_ptr + at, (g * scale).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -793,41 +827,38 @@ class Launch(NamedTuple):
 
     def __call__(self):
         key = None if INTERPRETED else self._key()
-        compiled = _compiled_kernels.get(key)
-        if compiled is None or _launch_hooks_set() or self.kernel.pre_run_hooks:
+        known = _compiled_kernels.get(key)
+        if known is None or _launch_hooks_set() or self.kernel.pre_run_hooks:
             compiled = self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps,
                                               num_stages=self.num_stages)
             if key is not None:
-                _compiled_kernels[key] = compiled
+                _compiled_kernels[key] = compiled, tuple(param.name for param in self.kernel.params)
             return
+        compiled, names = known
         values = self.args | self.constexprs
         grid = self.grid + (1,) * (3 - len(self.grid))
         compiled.run(*grid, triton.runtime.driver.active.get_current_stream(key[1]), compiled.function,
-                     compiled.packed_metadata, None, None, None, *[values[name] for name in key[2]])
+                     compiled.packed_metadata, None, None, None, *[values[name] for name in names])
 
     def _key(self):
         """What selects the compiled kernel that Triton's own launch would pick (how it specialises each
         argument: a tensor's dtype and 16-byte alignment, an integer's width, whether it is 1 and a
-        multiple of 16), the device, and the kernel's parameters in order; None for an argument of
-        another kind (then every launch takes Triton's path)."""
-        spec = []
+        multiple of 16), with the device; None for an argument of another kind (then every launch
+        takes Triton's path)."""
+        spec, aligned = [], 0
         for value in self.args.values():
             if isinstance(value, torch.Tensor):
-                spec.append((value.dtype, value.data_ptr() % 16))
-            elif isinstance(value, int) and not isinstance(value, bool):
-                spec.append((value == 1, value % 16, -0x80000000 <= value <= 0x7fffffff, value >= 0))
-            elif isinstance(value, (float, bool)):
+                spec.append(value.dtype)
+                aligned = aligned << 1 | (value.data_ptr() % 16 == 0)
+            elif type(value) is int:
+                spec.append((value % 16 == 0) + 2 * (value == 1) + 4 * (-0x80000000 <= value <= 0x7fffffff)
+                            + 8 * (value >= 0))
+            elif type(value) is float or type(value) is bool:
                 spec.append(type(value))
             else:
                 return None
-        return (self.kernel, triton.runtime.driver.active.get_current_device(), _parameters(self.kernel),
-                self.num_warps, self.num_stages, tuple(self.args), tuple(spec), tuple(self.constexprs.items()))
-
-
-@functools.cache
-def _parameters(kernel):
-    """A jit function's parameter names in order (Triton's launcher takes every one, constexprs too)."""
-    return tuple(param.name for param in kernel.params)
+        return (id(self.kernel), triton.runtime.driver.active.get_current_device(), self.num_warps, self.num_stages,
+                tuple(self.args), tuple(spec), aligned, tuple(self.constexprs.items()))
 
 
 def _launch_hooks_set():
@@ -847,11 +878,7 @@ _compiled_kernels = {}
 class Unlift(NamedTuple):
     """A step of the chunked backward, after _scales_kernel: out = numerator / lift, row by row. With
     numerator norm, out [n, 1] takes the products of lifted weights back (`Product`): one lift per
-    row, or one for all ([1, 1]). In the triangle also the rows of x that enter both of its
-    products, in x's dtype: the lifts are powers of 2 up to TRIANGLE_LIFT, so that is exact but
-    where float16 values fall below its normal range (|x| < 2^-7 at 2^7): for unit rows of D = 512
-    at most 3.4e-5 of a row's scale; bench/triangle_precision.py's rows of norm 1e-3 lose 1.1e-2
-    (1.2e-3 at norm 1e-2, 3.1e-4 in whole rows)."""
+    row, or one for all ([1, 1]). (The triangle's rows of x: `_unlifted_rows_kernel`.)"""
     out: torch.Tensor
     numerator: torch.Tensor
     lift: torch.Tensor
@@ -1324,15 +1351,26 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     return loss, stats, launches
 
 
+def forward_plan_keeping_rows(*args, **kwargs):
+    """forward_plan's (loss, stats), the self case's rows in label order that its negatives kernel reads
+    (else None: a reference set keeps its order), and the launches: a backward issued right after
+    reads them where it would gather them again."""
+    loss, stats, launches = forward_plan(*args, **kwargs)
+    rows = launches[0].args["ordered_ptr"] if launches and launches[0].kernel is _label_order_kernel else None
+    return loss, stats, rows, launches
+
+
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                   mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
-                  capability=None, grad_divisor=1, float32=False):
+                  capability=None, grad_divisor=1, float32=False, rows_in_label_order=None):
     """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
     grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
     without ref_grad. The chunked backward's gradients are float32, the fused one's in the inputs'
     dtype, or float32 with `float32` (the eager loss's gradient for grad_output 1, which a 16-bit
     "mean" would leave subnormal). A gradient whose launch splits its columns comes as float32 partials
-    [splits, rows, D], to be summed over the first axis."""
+    [splits, rows, D], to be summed over the first axis. `rows_in_label_order`: the self case's rows
+    in the forward's label order where the caller has them (the eager loss: its forward's copy,
+    `forward_plan_keeping_rows`), else gathered here."""
     _check_dtypes(x, ref)
     _check_beta(beta)
     a, b, a_labels, a_ids, b_labels, b_ids = _operands(x, labels, ids, ref, ref_labels, ref_ids,
@@ -1373,7 +1411,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         # (the forward's, from stats: no sort)
         order, a_labels = saved_label_order(stats, num_x)
         label_order["range_ptr"] = _block_ranges(a_labels, range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"])
-        a, stats = a.index_select(0, order), stats[:4].index_select(1, order)
+        a = a.index_select(0, order) if rows_in_label_order is None else rows_in_label_order
+        stats = stats[:4].index_select(1, order)
         a_ids = order if a_ids is None else a_ids.index_select(0, order)  # (default ids: the row index)
         b, b_labels, b_ids = a, a_labels, a_ids
         grad_loss = grad_loss.index_select(0, order) if grad_loss.stride(0) else grad_loss  # ("mean": expanded)
@@ -1481,8 +1520,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
     steps = [scales, Unlift(unlift, norm, lift)]
     if triangle:  # the rows of x that enter both products, each divided by its lift
-        steps.append(Unlift(torch.empty_like(a), a, lift))
-        a_unlifted = steps[-1].out
+        a_unlifted = torch.empty_like(a)
+        steps.append(_rows_launch(_unlifted_rows_kernel, a.shape, {}, t_ptr=a, lift_ptr=lift, y_ptr=a_unlifted))
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
@@ -1560,10 +1599,12 @@ def _rows_launch(kernel, shape, constexprs, **tensors):
 
 
 def unit_rows_plan(t):
-    """(y, the clamped norms, launches): rows of a contiguous `t` scaled to unit L2 norm."""
-    y, norm = torch.empty_like(t), t.new_empty(t.shape[0], dtype=torch.float32)
-    return y, norm, [_rows_launch(_unit_rows_kernel, t.shape, dict(WIDE_SUMS=squares_dtype(t.dtype) == torch.float64), t_ptr=t,
-                                  y_ptr=y, norm_ptr=norm)]
+    """(y, the clamped norms, finite, launches): rows of a contiguous `t` scaled to unit L2 norm; finite
+    (float32) 0 for each row of finite values, NaN for each other one."""
+    y, norm, finite = torch.empty_like(t), *t.new_empty((2, t.shape[0]), dtype=torch.float32)
+    return y, norm, finite, [_rows_launch(_unit_rows_kernel, t.shape,
+                                          dict(WIDE_SUMS=squares_dtype(t.dtype) == torch.float64),
+                                          t_ptr=t, y_ptr=y, norm_ptr=norm, finite_ptr=finite)]
 
 
 def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
@@ -1577,6 +1618,16 @@ def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
     return dt, [_rows_launch(_unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
                              g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
                              order_ptr=norm if order is None else order)]  # (unordered: never read)
+
+
+def scaled_rows_plan(g, scale, dtype):
+    """(y, launches): g (float32 rows, the columns contiguous) times `scale` (a one-element tensor of
+    any float dtype on g's device), as torch.mul computes it in float32, rounded once into `dtype`
+    (contiguous rows)."""
+    assert g.dim() == 2 and g.stride(1) == 1 and scale.numel() == 1, "rows of contiguous columns, one scale"
+    y = torch.empty(g.shape, dtype=dtype, device=g.device)
+    return y, [_rows_launch(_scaled_rows_kernel, g.shape, {}, g_ptr=g, g_stride=g.stride(0), scale_ptr=scale,
+                            y_ptr=y)]
 
 
 def _run(plan, device, *args, **kwargs):
@@ -1630,13 +1681,15 @@ def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, lab
 
 
 def _backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
-                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1, float32=False):
+                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1, float32=False,
+                                rows_in_label_order=None):
     """The backward op's work, for inputs that were checked: the forward's (and the eager loss's,
-    whose "mean" divides by grad_divisor, without normalisation; `float32`: see `_unpadded`)."""
+    whose "mean" divides by grad_divisor, without normalisation; `float32`: see `_unpadded`;
+    `rows_in_label_order`: see backward_plan)."""
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = _run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
                             alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
-                            grad_divisor=grad_divisor, float32=float32)
+                            grad_divisor=grad_divisor, float32=float32, rows_in_label_order=rows_in_label_order)
     return _unpadded(grad_x, x, float32), (_unpadded(grad_ref, ref, float32) if ref_grad else grad_ref)
 
 
@@ -1671,7 +1724,7 @@ class _UnitRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t):
-        y, norm = _run(unit_rows_plan, t.device, t.contiguous())
+        y, norm, _ = _run(unit_rows_plan, t.device, t.contiguous())
         ctx.save_for_backward(t, y, norm)  # (t: what a second derivative would be taken against)
         return y
 
@@ -1739,32 +1792,39 @@ class _EagerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype,
                 gradients_now):
-        a, a_norm = _run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None)
-        b, b_norm = ref, None
+        a, a_norm, a_finite = _run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
+        b, b_norm, b_finite = ref, None, None
         if normalize and ref is not None:
-            b, b_norm = _run(unit_rows_plan, x.device, ref.contiguous())
-        losses, stats = _run(forward_plan, x.device, a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters)
+            b, b_norm, b_finite = _run(unit_rows_plan, x.device, ref.contiguous())
+        losses, stats, rows_in_label_order = _run(forward_plan_keeping_rows, x.device, a, labels, ids, b, ref_labels,
+                                                  ref_ids, *hyper_parameters)
         saved = (x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
         ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
         if gradients_now:
             ones = _float32_one(x.device).expand(a.shape[0])
-            ctx.save_for_backward(x, ref, *_EagerLoss.gradients(ctx, saved, ones, float32=True))
+            ctx.save_for_backward(x, ref, *_EagerLoss.gradients(ctx, saved, ones, True, rows_in_label_order))
         else:
             ctx.save_for_backward(*saved)
-        return _nan_if_nonfinite(reduce_losses(losses, reduction), x, ref).to(dtype)
+        loss = reduce_losses(losses, reduction)
+        if not normalize:
+            return _nan_if_nonfinite(loss, x, ref).to(dtype)
+        for finite in (a_finite, b_finite):  # (NaN from a row with a NaN or an infinity, as _nan_if_nonfinite)
+            loss = loss if finite is None else torch.add(loss, finite.sum())
+        return loss.to(dtype)
 
     @staticmethod
-    def gradients(ctx, saved, grad_loss, float32=False):
+    def gradients(ctx, saved, grad_loss, float32=False, rows_in_label_order=None):
         """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where the input takes
-        no gradient; in the inputs' dtypes, or `float32`."""
+        no gradient; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan)."""
         x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = saved
         batch, ref_grad = a.shape[0], ref is not None and ctx.needs_input_grad[1]
         divisor = batch if ctx.reduction == "mean" and batch else 1
         args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad)
+        options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order)
         if a_norm is None:
-            da, db = _backward_of_checked_inputs(*args, grad_divisor=divisor, float32=float32)
+            da, db = _backward_of_checked_inputs(*args, **options)
         else:  # then the normalisation's backward, from the loss's float32 gradients where they are
-            da, db, order = _run(_backward_plan_in_label_order, x.device, *args, grad_divisor=divisor, float32=float32)
+            da, db, order = _run(_backward_plan_in_label_order, x.device, *args, **options)
             dtype = torch.float32 if float32 else None
             da = _run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order, dtype)[0] \
                 if ctx.needs_input_grad[0] else None
@@ -1775,7 +1835,7 @@ class _EagerLoss(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
             x, ref, da, db = ctx.saved_tensors
-            da, db = (None if g is None else torch.mul(g, grad.detach(), out=torch.empty_like(t))
+            da, db = (None if g is None else _run(scaled_rows_plan, t.device, g, grad.detach(), t.dtype)[0]
                       for g, t in ((da, x), (db, ref)))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             saved = ctx.saved_tensors
