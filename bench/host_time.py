@@ -85,12 +85,12 @@ def cpu_stand_in(kernels, launches):
         kernels.Launch.__call__ = lambda launch: None
     else:
         without_driver_calls()
-    launch = kernels.Launch.__call__
+    launch, label_order = kernels.Launch.__call__, getattr(kernels, "_label_order_kernel", None)  # (older builds: none)
 
     def with_label_order(self):
         launch(self)
-        if self.kernel is kernels._label_order_kernel:  # valid indices for the backward's plan to read, where
-            self.args["saved_ptr"].zero_()  # the kernel writes the self case's label order (an op a GPU's step has not)
+        if self.kernel is label_order:  # valid indices for the backward's plan to read, where the kernel
+            self.args["saved_ptr"].zero_()  # writes the self case's label order (an op a GPU's step has not)
 
     kernels.Launch.__call__ = with_label_order
 

@@ -5,7 +5,8 @@ host ops that take most of it (their own CPU time under the profiler); --cprofil
 Python functions with the most own time in --steps steps (cProfile), where the host's Python goes;
 --idle N: N steps each from an idle GPU (as the benchmark's first column times them), and where
 the GPU waited inside them: when the first kernel began after the step did, when the host
-returned, and the longest gaps between kernels, named by the kernels on either side.
+returned, and the median step's kernels in order, each with when the host issued it, when it began,
+how long it ran and how long the GPU was idle before it.
     python bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --providers triton cuda
 Shapes: B (self case) or BxR (B anchors against a memory bank of R rows). Data as bench/benchmark.py
 (P x M batches, typical hardness).

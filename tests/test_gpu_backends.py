@@ -669,28 +669,36 @@ def test_positive_lists_hold_exactly_each_blocks_labels(batch, ref_rows, classes
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("one_kernel_sort", [4096, 32, 7])  # (one sort; rows of keys merged, some padded; too many rows)
 @pytest.mark.parametrize("batch,classes,block_m,keys_dtype,rows_dtype", [
     (300, 70, 64, torch.int64, torch.float16), (97, 40, 32, torch.uint8, torch.float32),
     (130, 3, 64, torch.int16, torch.bfloat16), (257, 257, 128, torch.int32, None), (1, 1, 64, torch.int64, torch.float32),
     (0, 1, 64, torch.int64, torch.float16)])
-def test_the_label_order_kernel_sorts_ranks_and_copies_the_rows(batch, classes, block_m, keys_dtype, rows_dtype):
+def test_the_label_order_kernel_sorts_ranks_and_copies_the_rows(monkeypatch, one_kernel_sort, batch, classes, block_m,
+                                                                keys_dtype, rows_dtype):
     """_label_order (a sort, then _label_order_kernel): the stable order, the keys' ranks in the caller's
     order and their first positions in the sorted one (saved), each block's positive range (exactly the
-    columns of its labels, each once) and the rows in that order, bit for bit; int64 keys equal in
-    their low 32 bits stay apart."""
+    columns of its labels, each once) and the rows and identities in that order, bit for bit; int64
+    keys equal in their low 32 bits stay apart, uint8 keys of 255 beside the padding's 255. Sorted
+    whole, or as rows of one_kernel_sort keys that the kernel merges (at most 16 rows)."""
+    monkeypatch.setattr(triton_kernels.ms_loss, "ONE_KERNEL_SORT", one_kernel_sort)
     gen = torch.Generator().manual_seed(batch)
     keys = torch.randint(0, classes, (batch,), generator=gen)
     if keys_dtype == torch.int64:
         keys = keys * 2**33 - 7
+    if keys_dtype == torch.uint8:
+        keys = keys + 255 - classes + 1  # (the largest keys are 255)
     keys = keys.to(keys_dtype).to(DEVICE)
     rows = None if rows_dtype is None else torch.randn(batch, 37, generator=gen).to(rows_dtype).to(DEVICE)
+    ids = torch.randperm(batch, generator=gen).to(torch.int32).to(DEVICE)
     saved = torch.full((2, batch), -1, dtype=torch.int32, device=DEVICE)
-    in_order = triton_kernels.ms_loss._label_order(keys, block_m, saved, rows)
+    in_order = triton_kernels.ms_loss._label_order(keys, block_m, saved, rows, ids)
     triton_kernels.ms_loss._launch([in_order.launch])
     wide = keys.cpu().long()
     order, first, ranks, ranges = label_order_by_torch(wide, block_m)
     assert torch.equal(in_order.order.cpu().long(), order) and torch.equal(saved[0].cpu().long(), order)
     assert torch.equal(saved[1].cpu().long(), first) and torch.equal(in_order.ranks.cpu().long(), ranks)
+    assert torch.equal(in_order.ids, ids[order.to(DEVICE)])
     if rows is not None:
         assert torch.equal(in_order.rows, rows[order.to(DEVICE)])
     assert torch.equal(in_order.ranges.cpu().long(), ranges.reshape(-1, 2))
@@ -952,7 +960,7 @@ def test_the_triton_normalisation_matches_torchs(dtype, shape):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,rows,most", [("self", 3, 27), ("memory_bank", 4, 47)])
+@pytest.mark.parametrize("case,rows,most", [("self", 3, 29), ("memory_bank", 4, 49)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, rows, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and at B = 4096 the
     host's time was the whole step (bench/results/gpu/host-time-float16.txt). One eager forward and
@@ -969,9 +977,8 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, rows, most
     eager call became one autograd node, whose backward takes "mean" as one gradient into the scales
     kernel and hands the normalisation's backward the float32 gradient as it is; 2 more since the
     forward issues the backward's launches and the backward scales their result: an empty_like and a
-    mul; 5 fewer in the self case since its label order after the sort is one more launch,
-    _label_order_kernel, and the default identities are kept; 27 and 47 since the eager backward
-    reads the forward's label-ordered rows, the
+    mul; 3 fewer in the self case since its label order after the sort is one more launch,
+    _label_order_kernel; 29 and 49 since the eager backward reads the forward's label-ordered rows, the
     normalisation finds non-finite rows as it reads them (a sum and an add where the extremes of
     each input took three ops) and the scaling by grad_output is a row kernel: the kernels are
     stubbed out, but for _label_order_kernel, whose order the backward's plan reads: this counts

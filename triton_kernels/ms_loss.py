@@ -4,8 +4,8 @@ B x R buffer.
 Each program takes one block of anchor rows and one split of the columns (`column_splits`: splits
 only where the row blocks alone give fewer than two programs per multiprocessor). The forward takes
 the anchors in label order, so a block's positives form one short list: the label-sorted columns of
-its labels (`positive_ranges`, built on the device with no host sync), and it makes a single pass
-over all columns:
+its labels (`positive_ranges`, built on the device with no host sync; in the self case a sort, then
+`_label_order_kernel`), and it makes a single pass over all columns:
 - `_minpos_kernel`: S over the block's positive range -> each anchor's hardest positive (minpos);
 - `_negatives_kernel`: S over all columns, once -> the hardest negative and, since the negatives'
   mining needs only minpos, the sum of exp over the mined negatives, rescaled online. Self case:
@@ -41,20 +41,24 @@ over all columns:
   block's positive range with classified weights: the branch would have cost both paths' registers.
 `plan_cost` counts the work of a plan's launches in GEMM-equivalents. `eager_loss` (`_EagerLoss`): the
 loss of an eager call as one autograd node, whose forward also issues the backward's launches where
-a gradient will be taken ("mean", "sum"), its normalisation one launch each way
-(`_unit_rows_kernel`, `_unit_rows_grad_kernel`, which takes the chunked backward's float32 rows in
-label order as they are); `unit_rows`: that normalisation alone (CrossBatchMemory, the distributed loss).
+a gradient will be taken ("mean", "sum"; its backward scales them by grad_output,
+`_scaled_rows_kernel`), its normalisation one launch each way (`_unit_rows_kernel`, which also finds
+non-finite rows, `_unit_rows_grad_kernel`, which takes the chunked backward's float32 rows in label
+order as they are); `unit_rows`: that normalisation alone (CrossBatchMemory, the distributed loss).
+`Launch` calls a compiled kernel's launcher directly where Triton's launch path would pick the same
+one: the host's work before an eager step's first heavy kernel is the GPU's idle time.
 The per-pair math lives in the `@triton.jit` helpers below, the Triton twin of csrc/ms_math.h.
 Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (tensor cores)
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26: on an H200, the eager forward that also
-issues the backward's launches as it stood before two fixes that only the interpreter has run (the
-fused backward's gradient for grad_output 1 kept in float32; the kept float32 one waited for
-once): tests/test_gpu_backends.py on CUDA tensors and
-compute-sanitizer memcheck on the fused, chunked and triangle backwards (bench/gpu_sanitize.py),
-timings in bench/results/gpu/h200/. The build before (c7cd9de: the eager loss as one node
+Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26: this build (f196f71: `_label_order_kernel`,
+direct launches, `_unlifted_rows_kernel`, `_scaled_rows_kernel`, the normalisation's finite rows) on
+an H100: tests/test_gpu_backends.py on CUDA tensors and compute-sanitizer memcheck on the fused,
+chunked and triangle backwards (bench/gpu_sanitize.py), timings in bench/results/gpu/h100/;
+racecheck and synccheck have not run on these kernels. The build before (ef4968a: the eager forward
+that also issues the backward's launches) on an H200: the same test file and memcheck, timings in
+bench/results/gpu/h200/. Before that (c7cd9de: the eager loss as one node
 `_EagerLoss`, the scales kernel's one gradient for all anchors UNIFORM, the normalisation's
 backward from strided float32 rows in label order ORDERED) on an H100: the parity suite against the
 float64 reference on CUDA tensors (TF32 too; the fused and the chunked backward each as a target,
@@ -788,31 +792,46 @@ def _search(sorted_ptr, key, num, steps, ok, RIGHT: tl.constexpr):
 
 
 @triton.jit
-def _label_order_kernel(sorted_ptr, order_ptr, saved_ptr, ranks_ptr, range_ptr, rows_ptr, ordered_ptr, num, steps,
-                        block_m, dim, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`_label_order` after its sort, in one launch where torch's ops took six: for each position p of
-    the keys' stable sort (sorted keys, int64 order), saved[0, p] = order[p] and saved[1, p] = the
-    first position of its key; ranks[order[p]] = that too (each key's rank, in the caller's order);
-    ranges[k] = (the first position of block k's first key, one past the last of its last key's)
-    for blocks of block_m positions; ROWS: ordered[p] = rows[order[p]] (contiguous [num, dim])."""
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    ok = p < num
-    key = tl.load(sorted_ptr + p, mask=ok, other=0)
-    first = _search(sorted_ptr, key, num, steps, ok, False)
-    order = tl.load(order_ptr + p, mask=ok, other=0).to(tl.int32)
+def _label_order_kernel(sorted_ptr, order_ptr, saved_ptr, ranks_ptr, range_ptr, rows_ptr, ordered_ptr, ids_ptr,
+                        ordered_ids_ptr, num, segment, segments, steps, block_m, dim, ROWS: tl.constexpr,
+                        IDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_label_order` after its sort, in one launch where torch's ops took six. The sort: `segments` rows
+    of `segment` keys, each sorted stably on its own (sorted keys, each one's int64 index in its row;
+    the last row's slots from num on are padding, sorted last). Each key's position p in the stable
+    order of all num keys: its place in its row, plus the keys before it in each other row (in rows
+    before its own, those equal to it too), by binary search: a merge of the rows. Then saved[0, p]
+    = its index in the caller's order (order), saved[1, p] = the first position of its key (the
+    keys below it in all rows), ranks[order] = that too (each key's rank, in the caller's order);
+    ranges[k] = (the first position of block k's first key, one past the last of its last key's) for
+    blocks of block_m positions; ROWS: ordered[p] = rows[order] (contiguous [num, dim]); IDS:
+    ordered_ids[p] = ids[order]."""
+    slot = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = slot < num  # (the padding takes the last row's last slots)
+    row = slot // segment
+    key = tl.load(sorted_ptr + slot, mask=ok, other=0)
+    p, first, end = slot % segment, tl.zeros_like(slot), tl.zeros_like(slot)
+    for other in range(0, segments):
+        length = tl.minimum(segment, num - other * segment)
+        below = _search(sorted_ptr + other * segment, key, length, steps, ok, False)
+        upto = _search(sorted_ptr + other * segment, key, length, steps, ok, True)
+        first += below
+        end += upto
+        p += tl.where(other < row, upto, tl.where(other > row, below, 0))
+    order = (row * segment + tl.load(order_ptr + slot, mask=ok, other=0)).to(tl.int32)
     tl.store(saved_ptr + p, order, mask=ok)
     tl.store(saved_ptr + num + p, first, mask=ok)
     tl.store(ranks_ptr + order, first, mask=ok)
     block, at = p // block_m, p % block_m
     tl.store(range_ptr + 2 * block, first, mask=ok & (at == 0))
-    last = ok & ((at == block_m - 1) | (p == num - 1))
-    tl.store(range_ptr + 2 * block + 1, _search(sorted_ptr, key, num, steps, last, True), mask=last)
+    tl.store(range_ptr + 2 * block + 1, end, mask=ok & ((at == block_m - 1) | (p == num - 1)))
+    if IDS:
+        tl.store(ordered_ids_ptr + p, tl.load(ids_ptr + order, mask=ok), mask=ok)
     if ROWS:
         for k in range(0, dim, BLOCK_D):
             ks = k + tl.arange(0, BLOCK_D)
             column_ok = ok[:, None] & (ks < dim)[None, :]
-            row = tl.load(rows_ptr + order[:, None].to(tl.int64) * dim + ks[None, :], mask=column_ok)
-            tl.store(ordered_ptr + p[:, None].to(tl.int64) * dim + ks[None, :], row, mask=column_ok)
+            row_values = tl.load(rows_ptr + order[:, None].to(tl.int64) * dim + ks[None, :], mask=column_ok)
+            tl.store(ordered_ptr + p[:, None].to(tl.int64) * dim + ks[None, :], row_values, mask=column_ok)
 
 
 # ---- launch plans -----------------------------------------------------------------------------
@@ -843,8 +862,8 @@ class Launch(NamedTuple):
     def _key(self):
         """What selects the compiled kernel that Triton's own launch would pick (how it specialises each
         argument: a tensor's dtype and 16-byte alignment, an integer's width, whether it is 1 and a
-        multiple of 16), with the device; None for an argument of another kind (then every launch
-        takes Triton's path)."""
+        multiple of 16), with the device and the compile options; None for an argument of another
+        kind (then every launch takes Triton's path)."""
         spec, aligned = [], 0
         for value in self.args.values():
             if isinstance(value, torch.Tensor):
@@ -852,13 +871,21 @@ class Launch(NamedTuple):
                 aligned = aligned << 1 | (value.data_ptr() % 16 == 0)
             elif type(value) is int:
                 spec.append((value % 16 == 0) + 2 * (value == 1) + 4 * (-0x80000000 <= value <= 0x7fffffff)
-                            + 8 * (value >= 0))
+                            + 8 * (value >= 0) + 16 * (value >= 2 ** 63))
             elif type(value) is float or type(value) is bool:
                 spec.append(type(value))
             else:
                 return None
         return (id(self.kernel), triton.runtime.driver.active.get_current_device(), self.num_warps, self.num_stages,
-                tuple(self.args), tuple(spec), aligned, tuple(self.constexprs.items()))
+                tuple(self.args), tuple(spec), aligned, tuple(self.constexprs.items()), _compile_options(self.kernel))
+
+
+def _compile_options(kernel):
+    """The options besides the arguments that Triton's launch compiles for (3.6-3.9: debug, the
+    instrumentation mode, 3.9's float sanitizer casts)."""
+    compilation = triton.knobs.compilation
+    return (kernel.debug or triton.knobs.runtime.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def _launch_hooks_set():
@@ -1123,7 +1150,7 @@ def _operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     x = _aligned_rows(x, dtype)
     ref = None if ref is None else _aligned_rows(ref, dtype)
     if ids is None and default_ids:
-        ids = _row_indices(batch, x.device)
+        ids = torch.arange(batch, device=x.device, dtype=torch.int32)
     if ref is None:
         ids = None if ids is None else int32_keys(ids, ids)[0]
         return x, x, labels, ids, labels, ids
@@ -1227,37 +1254,59 @@ def _block_lasts(t, block_m):
     return torch.cat([lasts, t[-1:]]) if t.shape[0] % block_m else lasts
 
 
+def _sortable(keys):
+    """Contiguous keys of a dtype that torch sorts and compares on every device: uint16-64 as int64,
+    where their values stay distinct."""
+    if keys.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        keys = keys.to(torch.int64)
+    return keys.contiguous()
+
+
 class LabelOrder(NamedTuple):
-    """The self case in label order (`_label_order`); the int32 tensors are filled by `launch`."""
+    """The self case in label order (`_label_order`), filled by `launch`."""
     ranks: torch.Tensor  # int32 [B]: each key's rank, in the caller's order (equal exactly where the keys are)
     order: torch.Tensor  # int32 [B]: the stable order that sorts the keys (saved[0])
-    sort_order: torch.Tensor  # the same order, int64, ready before the launch
     ranges: torch.Tensor  # int32 [blocks, 2]
     rows: Optional[torch.Tensor]  # the rows in that order (with `rows`), else None
+    ids: Optional[torch.Tensor]  # the identities in that order (with `ids`), else None
     launch: Launch
 
 
-def _label_order(keys, block_m, saved, rows=None):
+# torch sorts a row of up to ONE_KERNEL_SORT keys in one kernel on CUDA, where a longer one takes about
+# twenty launches (64-bit keys: 8 radix passes, each with a memset); up to MOST_SORT_ROWS rows of them
+# are merged by binary search in _label_order_kernel (each key searches every row)
+ONE_KERNEL_SORT, MOST_SORT_ROWS = 4096, 16
+
+
+def _label_order(keys, block_m, saved, rows=None, ids=None):
     """The self case in label order, from one stable sort of its keys (`LabelOrder`). Block k of block_m
     rows in that order has the columns of its labels, its positives among them, in slots ranges[k, 0]
     .. ranges[k, 1] of the same order, and every other column is a negative of all of its rows.
     `saved` (int32 [2, B], contiguous) receives the order and the sorted ranks: the forward's stats
     keep them for the backward (`saved_label_order`), which then sorts nothing. `rows` (contiguous
-    [B, D]): a copy of them in that order too. All but the sort is `_label_order_kernel`'s launch."""
-    if keys.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
-        keys = keys.to(torch.int64)  # (uint16-64 values stay distinct in int64, and sort and compare as there)
-    sorted_keys, order = torch.sort(keys.contiguous(), stable=True)
+    [B, D]) and `ids` ([B]): copies of them in that order too. Up to MOST_SORT_ROWS * ONE_KERNEL_SORT
+    keys are sorted as rows of at most ONE_KERNEL_SORT (torch's one-kernel sort), which
+    `_label_order_kernel` merges; all but the sort is its launch."""
+    keys = _sortable(keys)
     num = keys.shape[0]
-    ranks = torch.empty_like(order, dtype=torch.int32)
-    ranges = order.new_empty((_cdiv(num, block_m), 2), dtype=torch.int32)
-    ordered = None if rows is None else torch.empty_like(rows)
+    segments = _cdiv(num, ONE_KERNEL_SORT)
+    segments = segments if 1 < segments <= MOST_SORT_ROWS else 1
+    segment = _cdiv(num, segments)
+    if segments * segment > num:  # (padding of the largest value: after every key in the stable sort)
+        keys = torch.cat([keys, keys.new_full((segments * segment - num,), torch.iinfo(keys.dtype).max)])
+    sorted_keys, order = torch.sort(keys.view(segments, segment), stable=True)
+    ranks = torch.empty(num, dtype=torch.int32, device=keys.device)
+    ranges = torch.empty((_cdiv(num, block_m), 2), dtype=torch.int32, device=keys.device)
+    ordered, ordered_ids = (None if t is None else torch.empty_like(t) for t in (rows, ids))
     block_d = 16 if rows is None else min(_pow2_at_least_16(rows.shape[1]), 512)
     launch = Launch(_label_order_kernel, (_cdiv(num, 2048 // block_d),),
                     dict(sorted_ptr=sorted_keys, order_ptr=order, saved_ptr=saved, ranks_ptr=ranks, range_ptr=ranges,
                          rows_ptr=order if rows is None else rows, ordered_ptr=order if rows is None else ordered,
-                         num=num, steps=num.bit_length(), block_m=block_m, dim=0 if rows is None else rows.shape[1]),
-                    dict(ROWS=rows is not None, BLOCK_P=2048 // block_d, BLOCK_D=block_d), 4, 1)
-    return LabelOrder(ranks, saved[0], order, ranges, ordered, launch)
+                         ids_ptr=order if ids is None else ids, ordered_ids_ptr=order if ids is None else ordered_ids,
+                         num=num, segment=segment, segments=segments, steps=segment.bit_length(), block_m=block_m,
+                         dim=0 if rows is None else rows.shape[1]),  # (pointers never read: any will do)
+                    dict(ROWS=rows is not None, IDS=ids is not None, BLOCK_P=2048 // block_d, BLOCK_D=block_d), 4, 1)
+    return LabelOrder(ranks, saved[0], ranges, ordered, ordered_ids, launch)
 
 
 def _block_ranges(first, block_m):
@@ -1306,7 +1355,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     row_programs = _cdiv(num_x, config["BLOCK_M"])
     launches, labels_given = [], a_labels
     if ref is None:  # one sort of the labels, kept in stats for the backward; the rows in label order too
-        in_order = _label_order(a_labels, config["BLOCK_M"], stats[4:].view(torch.int32), a)
+        in_order = _label_order(a_labels, config["BLOCK_M"], stats[4:].view(torch.int32), a,
+                                a_ids if ids is not None else None)
         a_labels, row_order, ranges, launches = in_order.ranks, in_order.order, in_order.ranges, [in_order.launch]
         b_labels, col_order, segment_end, column_shift = a_labels, row_order, None, None
     else:
@@ -1328,9 +1378,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     columns = dict(shared_ids_ptr=a_ids)  # (read with CHECK_IDS only: any pointer will do otherwise)
     if skip_range:
         columns["ref_ptr"] = in_order.rows
-    if check_ids:  # (torch's ops, issued before the launches: the sort's own order and the labels as given)
-        columns.update(ref_ids_ptr=a_ids.index_select(0, in_order.sort_order),
-                       shared_ids_ptr=_shared_identities(a_ids, labels_given))
+    if check_ids:  # (torch's ops, issued before the launches: the labels as given)
+        columns.update(ref_ids_ptr=in_order.ids, shared_ids_ptr=_shared_identities(a_ids, _sortable(labels_given)))
     # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
     # of 128 would be half empty), and _finish_kernel's two sums spill on 128 x 128 (sm_80, Triton 3.9)
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
@@ -1736,22 +1785,6 @@ class _UnitRows(torch.autograd.Function):
 
 
 unit_rows = _UnitRows.apply
-
-
-def _row_indices(rows, device):
-    """int32 0 .. rows - 1 on `device` (the self case's default identities): made once for each size
-    (no op a step), as `_float32_one`."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.arange(rows, device=device, dtype=torch.int32)
-    return _kept_row_indices(rows, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _kept_row_indices(rows, device):
-    indices = torch.arange(rows, device=device, dtype=torch.int32)
-    if device.type == "cuda":  # (once: wait for it before other streams read it)
-        torch.cuda.synchronize(device)
-    return indices
 
 
 def _float32_one(device):
