@@ -707,6 +707,26 @@ def test_the_label_order_kernel_sorts_ranks_and_copies_the_rows(monkeypatch, one
         assert sorted(order[start:end].tolist()) == wanted.tolist()
 
 
+@pytest.mark.skipif(DEVICE == "cpu" or triton_kernels is None, reason="GPU sizes (the interpreter: minutes)")
+@pytest.mark.parametrize("batch", [16384, 65536, 16383])
+def test_the_merged_sort_gives_one_sorts_step_at_gpu_sizes(monkeypatch, batch):
+    """An eager float16 step whose labels are sorted as rows of 4096 and merged by _label_order_kernel
+    (4, 16 and 4 padded rows) has the loss, gradient and statistics of the same step after one
+    global sort, bit for bit (first run on an H100, 2026-11-26, as a script)."""
+    x, labels = make_batch(batch, 64, batch // 4, dtype=torch.float16)
+    x, labels = x.to(DEVICE), labels.to(DEVICE)
+    results = []
+    for one_kernel_sort in (4096, 10 ** 9):
+        monkeypatch.setattr(triton_kernels.ms_loss, "ONE_KERNEL_SORT", one_kernel_sort)
+        embeddings = x.clone().requires_grad_()
+        loss = multi_similarity_loss(embeddings, labels, backend="triton")
+        loss.backward()
+        stats = torch.ops.ms_loss_cuda.triton_forward(x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1,
+                                                      True, False)[1]
+        results.append((loss, embeddings.grad, stats))
+    assert all(torch.equal(merged, whole) for merged, whole in zip(*results))
+
+
 @pytest.mark.parametrize("case", ["self", "ref"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e38])
 @pytest.mark.parametrize("normalize", [True, False])

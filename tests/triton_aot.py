@@ -30,7 +30,8 @@ BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 5
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
                  torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
-ROW_KERNEL_DIMS = (130, 512)  # the normalisation's row kernels: a masked and a whole block of columns
+ROW_KERNEL_DIMS = (130, 512)  # the row kernels: a masked and a whole block of columns
+PLAN_ROW_KERNELS = ("_label_order_kernel", "_unlifted_rows_kernel")  # (the plans' row kernels: at those D only)
 ROWS, REF_ROWS = 4096, 1000
 
 
@@ -81,7 +82,8 @@ def launches(dtype_name, dim, mining, skip, cc):
                     chunked += backward_plan(grad, stats, x, labels, i, r, rl, None, *hyper, ref_grad=ref_grad,
                                              interpret=False, capability=capability, grad_divisor=ROWS)[-1]
         for launch in forward + backward + chunked:
-            if not isinstance(launch, Launch):
+            if not isinstance(launch, Launch) or (launch.kernel.fn.__name__ in PLAN_ROW_KERNELS
+                                                  and dim not in ROW_KERNEL_DIMS):
                 continue
             c = launch.constexprs
             name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")

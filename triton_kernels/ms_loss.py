@@ -52,11 +52,14 @@ Similarities, exponents and sums are float32; 16-bit tiles go through `tl.dot` (
 with float32 accumulation; float32 tiles use IEEE float32 products, or TF32 tensor cores when
 torch.get_float32_matmul_precision() allows them (`float32_precision`).
 
-Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26: this build (f196f71: `_label_order_kernel`,
-direct launches, `_unlifted_rows_kernel`, `_scaled_rows_kernel`, the normalisation's finite rows) on
-an H100: tests/test_gpu_backends.py on CUDA tensors and compute-sanitizer memcheck on the fused,
-chunked and triangle backwards (bench/gpu_sanitize.py), timings in bench/results/gpu/h100/;
-racecheck and synccheck have not run on these kernels. The build before (ef4968a: the eager forward
+Verified on GPUs (torch 2.11, triton 3.6), 2026-11-26, on an H100: this build (fdf7284: the sort as
+rows merged by `_label_order_kernel`) with tests/test_gpu_backends.py on CUDA tensors, and its
+merged label order against one global sort at B = 16384, 65536 and 16383 (the same bits); the
+build before (f196f71: `_label_order_kernel` after one sort, direct launches,
+`_unlifted_rows_kernel`, `_scaled_rows_kernel`, the normalisation's finite rows) with the same tests
+and compute-sanitizer memcheck on the fused, chunked and triangle backwards (bench/gpu_sanitize.py,
+whose batches of up to 300 rows take one sort); timings in bench/results/gpu/h100/. Racecheck and
+synccheck have not run on these kernels. The build before (ef4968a: the eager forward
 that also issues the backward's launches) on an H200: the same test file and memcheck, timings in
 bench/results/gpu/h200/. Before that (c7cd9de: the eager loss as one node
 `_EagerLoss`, the scales kernel's one gradient for all anchors UNIFORM, the normalisation's
