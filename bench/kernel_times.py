@@ -89,8 +89,9 @@ IDLE_STEP = "idle step"
 def idle_steps(step, x, count, min_gap=5):
     """`count` steps, each after a synchronize, under the profiler; per step (µs from the host's start
     of it): the first kernel's start, the host's return, the last kernel's end, and the GPU's idle
-    time in between; for the step of median length its gaps between kernels (of min_gap us and more). (The profiler
-    adds host work of its own: the host's times are upper bounds.)"""
+    time in between; for the step of median length each kernel with when the host issued it, and
+    the GPU's idle time before it where min_gap us or more. (The profiler adds host work of its own:
+    the host's times are upper bounds.)"""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(count):
             torch.cuda.synchronize()
@@ -121,9 +122,8 @@ def idle_steps(step, x, count, min_gap=5):
     median = rows[len(rows) // 2]
     print(f"  the median step's kernels (us: issued by the host, started, length, the GPU idle before it where "
           f"{min_gap} us or more):")
-    idle_before = {after_start: length for _, length, _, _, after_start in median["gaps"]}
     for start, end, name in median["kernels"]:
-        idle, issue = idle_before.get(start, 0), issued.get(start + median["begin"])
+        idle, issue = median["idle_before"].get(start, 0), issued.get(start + median["begin"])
         issue = "" if issue is None else f"{issue - median['begin']:8.0f}"
         print(f"    {issue:8} {start:8.0f} {end - start:7.0f} "
               f"{f'{idle:7.0f}' if idle >= min_gap else '':7}  {name[:70]}")
@@ -132,17 +132,16 @@ def idle_steps(step, x, count, min_gap=5):
 def gaps(begin, host_end, kernels):
     """One step's GPU timeline from its kernels' (start, end, name), in µs after `begin`: None without
     kernels; else the first kernel's start, the host's return, the last kernel's end, the idle time
-    before and between kernels, and each gap (at, length, kernel before, kernel after)."""
+    before and between kernels, the kernels and, by a kernel's start, the GPU's idle time before it."""
     if not kernels:
         return None
-    busy_until, before, found = begin, "(step start)", []
-    for start, end, name in kernels:
+    busy_until, idle_before = begin, {}
+    for start, end, _ in kernels:
         if start > busy_until:
-            found.append((busy_until - begin, start - busy_until, before, name, start - begin))
-        if end > busy_until:
-            busy_until, before = end, name
+            idle_before[start - begin] = start - busy_until
+        busy_until = max(busy_until, end)
     return {"first": kernels[0][0] - begin, "host": host_end - begin, "span": busy_until - begin,
-            "idle": sum(g[1] for g in found), "gaps": found, "begin": begin,
+            "idle": sum(idle_before.values()), "idle_before": idle_before, "begin": begin,
             "kernels": [(start - begin, end - begin, name) for start, end, name in kernels]}
 
 

@@ -31,7 +31,8 @@ def describe(record):
 
 
 def test_every_kernel_compiles_for_both_targets(records):
-    kernels = {"_label_order_kernel", "_unlifted_rows_kernel", "_minpos_kernel", "_negatives_kernel[check_ids=False][skip_range=True]",
+    kernels = {"_label_order_kernel", "_unlifted_rows_kernel", "_minpos_kernel",
+               "_negatives_kernel[check_ids=False][skip_range=True]",
                "_negatives_kernel[check_ids=True][skip_range=True]",
                "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
                "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
@@ -49,9 +50,8 @@ def test_every_kernel_compiles_for_both_targets(records):
     # the fused backward takes the self case in label order, with and without the caller's identities
     kernels |= {f"_grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
     # the normalisation (no float32-tf32 variant)
-    rows = {"_unit_rows_kernel", "_unit_rows_grad_kernel", "_scaled_rows_kernel"} | {f"_unit_rows_grad_kernel[{rows}]{out}"
-                                                               for rows in ("ordered", "float32")
-                                                               for out in ("", "[to_float32]")}
+    rows = {"_unit_rows_kernel", "_unit_rows_grad_kernel", "_scaled_rows_kernel"}
+    rows |= {f"_unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == \

@@ -1231,10 +1231,11 @@ def positive_ranges(row_keys, col_keys, block_m):
     its positive list is slots ranges[k, 0] .. ranges[k, 1] of one numbering that names exactly the
     columns of those labels. (The self case's columns are the anchors: every label of the run has
     all its columns inside one slice of the label order, `_label_order`.) A label between two of the
-    block's may have columns but no anchor here, so the list is built of segments: the first anchor of each label in the block owns the slice of the
-    column order that holds that label's columns; slot q of anchor a's segment
-    (segment_end[a - 1] <= q < segment_end[a]) is column column_order[q + column_shift[a]] (a memory
-    bank of random classes costs no more than the self case)."""
+    block's may have columns but no anchor here, so the list is built of segments: the first anchor
+    of each label in the block owns the slice of the column order that holds that label's columns;
+    slot q of anchor a's segment (segment_end[a - 1] <= q < segment_end[a]) is column
+    column_order[q + column_shift[a]] (a memory bank of random classes costs no more than the self
+    case)."""
     row_sorted, row_order = torch.sort(row_keys, stable=True)
     row_order = row_order.to(torch.int32)
     col_sorted, col_order = torch.sort(col_keys, stable=True)
