@@ -17,10 +17,10 @@ import os
 import torch
 
 import ms_loss_cuda
-from ms_loss_cuda.triton_kernels import ms_loss as triton_kernels
+from ms_loss_cuda.triton_kernels import launcher
 
-SHIPPED_TILES = triton_kernels.tile_config
-TRIANGLE_AT_ANY_HEIGHT = triton_kernels.with_triangle_rows(1)  # (the tile table, the triangle however short its chunks)
+SHIPPED_TILES = launcher.tile_config
+TRIANGLE_AT_ANY_HEIGHT = launcher.with_triangle_rows(1)  # (the tile table, the triangle however short its chunks)
 
 
 def main():
@@ -37,7 +37,7 @@ def main():
                     continue
                 # (the chunked backward at 1 byte of weights: one tile row or column a chunk)
                 os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "0" if backward == "fused" else "1e-6"
-                triton_kernels.tile_config = TRIANGLE_AT_ANY_HEIGHT if backward == "triangle" else SHIPPED_TILES
+                launcher.tile_config = TRIANGLE_AT_ANY_HEIGHT if backward == "triangle" else SHIPPED_TILES
                 rows = 300 if case.endswith("ids") else batch
                 x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
                 labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()

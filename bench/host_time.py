@@ -2,7 +2,7 @@
 to issue one forward+backward (from an idle device until the step returns). Side by side in one run,
 alternating: the shipped eager path (`eager`: one autograd node for the whole call, triton_kernels'
 eager_loss) and the custom ops that torch.compile traces, with torch's normalisation and reduction
-(`custom-ops`: what every eager step went through before the eager paths). Median of --steps
+(`custom-ops`, what torch.compile traces). Median of --steps
 steps per round; the spread over --rounds rounds (bench/host_time_versus.py compares two
 checkouts). Each result counts the step's Triton launches and cuBLAS products.
 --device cpu (default, no GPU needed): a stand-in for a GPU host's work. The GPU's launch plans
@@ -68,38 +68,41 @@ def without_driver_calls():
     CompiledKernel._init_handles = lambda kernel: setattr(kernel, "_run", kernel._run or (lambda *args: None))
 
 
-def cpu_stand_in(kernels, launches):
-    """The GPU's step on CPU tensors (`kernels`: the triton backend's ms_loss module): its launch plans
-    as they are; each launch through Triton's launch path (launches="launcher") or dropped whole
-    ("stubbed"); the cuBLAS products left out; the self case's label order zeroed (one op)."""
-    import sys
-
+def cpu_stand_in(launches):
+    """The GPU's step on CPU tensors: the triton backend's launch plans as they are; each launch through
+    Triton's launch path (launches="launcher") or dropped whole ("stubbed"); the cuBLAS products left
+    out; the self case's label order zeroed (one op)."""
     import torch
 
+    from ms_loss_cuda.triton_kernels import backward, launcher, row_kernels
+
     torch.set_num_threads(1)  # the host's work is one thread's
-    sys.modules["ms_loss_cuda.triton_kernels"].INTERPRETED = True  # (read by the loss's device check only)
+    launcher.INTERPRETED = True  # (read by the backend's device check only)
     # no products either: on CPU they would compute, on the launches' unwritten (garbage, often
     # subnormal) weights, where a GPU's host only issues two ops
-    kernels.Product.__call__ = lambda product: None
+    backward.Product.__call__ = lambda product: None
     if launches == "stubbed":
-        kernels.Launch.__call__ = lambda launch: None
+        launcher.Launch.__call__ = lambda launch: None
     else:
         without_driver_calls()
-    launch, label_order = kernels.Launch.__call__, getattr(kernels, "_label_order_kernel", None)  # (older builds: none)
+    launch = launcher.Launch.__call__
 
     def with_label_order(self):
         launch(self)
-        if self.kernel is label_order:  # valid indices for the backward's plan to read, where the kernel
-            self.args["saved_ptr"].zero_()  # writes the self case's label order (an op a GPU's step has not)
+        if self.kernel is row_kernels.label_order_kernel:  # valid indices for the backward's plan to read,
+            self.args["saved_ptr"].zero_()  # where the kernel writes the label order (an op a GPU's step has not)
 
-    kernels.Launch.__call__ = with_label_order
+    launcher.Launch.__call__ = with_label_order
 
 
-def count_launches(kernels):
+def count_launches():
     """{"launches": Triton launches, "launch_s": their time, "products": cuBLAS products} issued so
     far (counting wrappers)."""
+    from ms_loss_cuda.triton_kernels.backward import Product
+    from ms_loss_cuda.triton_kernels.launcher import Launch
+
     counts = {"launches": 0, "launch_s": 0.0, "products": 0}
-    launch, product = kernels.Launch.__call__, kernels.Product.__call__
+    launch, product = Launch.__call__, Product.__call__
 
     def counted_launch(self):
         start = time.perf_counter()
@@ -111,7 +114,7 @@ def count_launches(kernels):
         counts["products"] += 1
         product(self)
 
-    kernels.Launch.__call__, kernels.Product.__call__ = counted_launch, counted_product
+    Launch.__call__, Product.__call__ = counted_launch, counted_product
     return counts
 
 
@@ -139,13 +142,12 @@ def main():
     import torch
     from benchmark import HARDNESS, make_inputs, step_function
     from ms_loss_cuda import ops
-    from ms_loss_cuda.triton_kernels import ms_loss as triton_ms_loss
 
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
-        cpu_stand_in(triton_ms_loss, args.launches)
-    launched = count_launches(triton_ms_loss)
-    shipped = ops._traced
+        cpu_stand_in(args.launches)
+    launched = count_launches()
+    shipped = ops.traced
     paths = {"eager": shipped, "custom-ops": lambda: True}  # (as if traced: the ops, torch's normalisation)
     results, counts = {}, {}
     for case, ref_rows in (("self", None), ("memory bank", args.ref_rows)):
@@ -154,10 +156,10 @@ def main():
         step = step_function("triton", labels, ref, ref_labels)
         rounds = {path: [] for path in paths}
         for _ in range(args.rounds):
-            for path, ops._traced in paths.items():
+            for path, ops.traced in paths.items():
                 host_time(step, x, 10, synchronize)  # warm-up
                 rounds[path].append(host_time(step, x, args.steps, synchronize))
-        ops._traced = shipped
+        ops.traced = shipped
         results[case] = {path: [round(t * 1e3, 3) for t in times] for path, times in rounds.items()}
         launched.update(launches=0, launch_s=0.0, products=0)
         host_time(step, x, args.steps, synchronize)

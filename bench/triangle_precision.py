@@ -1,7 +1,7 @@
 """How much of each row's float16 precision the chunked Triton backward keeps in the self case, in its
 three forms: the fused backward (each row's own lift), chunks of whole rows (each row's own lift) and
-the triangle (both ends' lifts, about the square roots of theirs: triton_kernels/ms_loss.py,
-_chunked_plan). Under the Triton interpreter on CPU tensors, no GPU needed.
+the triangle (both ends' lifts, about the square roots of theirs: triton_kernels/backward.py).
+Under the Triton interpreter on CPU tensors, no GPU needed.
 Two groups of 100 anchors in orthogonal halves of D = 64 (beta = 50, mining off), the second group's
 grad_outputs 2^-17 or 2^-20 of the first's; "pulled" moves the second group 0.7 of the way towards the
 first's centre (their pairs then weigh), "small rows" scales every row to norm 1e-3 (normalize=False:
@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import ms_loss_cuda  # noqa: E402
 from host_time import report  # noqa: E402  (bench/)
-from ms_loss_cuda.triton_kernels import ms_loss as kernels  # noqa: E402
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, launcher  # noqa: E402
 
 SCENARIOS = {  # name: (pull towards the first group's centre, log2 of the second group's grad_output, row norm)
     "isolated, 2^-17": (0.0, -17, 1.0),
@@ -56,15 +56,15 @@ def reference_dx(x, labels, grad_output):
 def kernel_dx(x, labels, grad_output, chunk_mib, triangle_rows):
     """float32 dx of the triton backend's plans, the form chosen by the chunk budget and TRIANGLE_ROWS."""
     os.environ["MS_LOSS_TRITON_CHUNK_MB"] = chunk_mib
-    shipped = kernels.tile_config
+    shipped = launcher.tile_config
     if triangle_rows is not None:
-        kernels.tile_config = kernels.with_triangle_rows(triangle_rows, shipped)
+        launcher.tile_config = launcher.with_triangle_rows(triangle_rows, shipped)
     try:
         operands = (x, labels, None, None, None, None)
-        _, stats = kernels._run(kernels.forward_plan, x.device, *operands, *HYPER)
-        dx = kernels._run(kernels.backward_plan, x.device, grad_output, stats, *operands, *HYPER)[0]
+        _, stats = launcher.run(forward_plan, x.device, *operands, *HYPER)
+        dx = launcher.run(backward_plan, x.device, grad_output, stats, *operands, *HYPER)[0]
     finally:
-        kernels.tile_config = shipped
+        launcher.tile_config = shipped
     return (dx.sum(0) if dx.dim() == 3 else dx)[:, :x.shape[1]].double()
 
 

@@ -1,4 +1,4 @@
-"""A short sweep over the Triton tile table (triton_kernels/ms_loss.py: tile_config) on a GPU:
+"""A short sweep over the Triton tile table (triton_kernels/launcher.py: tile_config) on a GPU:
 each candidate's forward (mining + log-sum-exp launches) and backward launches (the fused form's
 tiles, and the chunked form: config = [MiB of weights, weights tiles]) are timed separately
 (median of CUDA-event timings), and their result (stats, or the gradients) is compared with the first
@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-import ms_loss_cuda.triton_kernels.ms_loss as tk
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, launcher
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the forward kernels, and with BLOCK_D for the
 # backward: candidates around the table; the shipped entry (tile_config at D = 512) is put first.
@@ -37,7 +37,7 @@ BACKWARD = {
 
 class Chunked(NamedTuple):
     """The chunked backward (pair weights to memory, cuBLAS for the second product) at `mib` MiB of
-    weights, its _weights_kernel on `tiles` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; None: the table's)."""
+    weights, its weights_kernel on `tiles` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; None: the table's)."""
     mib: int
     tiles: Optional[tuple] = None
 
@@ -46,7 +46,7 @@ class Chunked(NamedTuple):
 CHUNKED = {"16-bit": [Chunked(256), Chunked(64), Chunked(256, (128, 32, 32, 8, 4)), Chunked(256, (128, 32, 32, 4, 4)),
                       Chunked(256, (128, 32, 64, 8, 3)), Chunked(256, (64, 64, 32, 4, 4))],
            "float32": [Chunked(64), Chunked(256)]}
-SHIPPED = tk.tile_config
+SHIPPED = launcher.tile_config
 # (B, R, the reference set takes a gradient): the self case, for the first dtype also a memory bank and
 # one process's share of a batch gathered from 8 (bench/benchmark.py does not time that one)
 SHAPES = ((16384, None, False), (1024, 262144, False), (2048, 16384, True))
@@ -77,7 +77,7 @@ def chunked(mib, tiles, table=SHIPPED):
         weights = override("weights", tiles, table)
         triangle = dict(zip(tile_names("weights"), tiles))
         table = lambda kind, *args, **kwargs: dict(weights(kind, *args, **kwargs),  # noqa: E731
-                                                    **({"TRIANGLE_TILES": triangle} if kind == "weights" else {}))
+                                                   **({"TRIANGLE_TILES": triangle} if kind == "weights" else {}))
     return lambda kind, *args, **kwargs: dict(table(kind, *args, **kwargs),
                                               **({"CHUNK_BYTES": mib << 20} if kind == "backward" else {}))
 
@@ -180,19 +180,19 @@ def main():
                 candidates = [first] + [c for c in candidates if c != first]
                 expected = None  # the first candidate's result: every candidate must compute the same
                 for values in candidates[:args.candidates] + (CHUNKED[group] if kind == "backward" else []):
-                    tk.tile_config = chunked(*values) if isinstance(values, Chunked) else override(kind, values)
+                    launcher.tile_config = chunked(*values) if isinstance(values, Chunked) else override(kind, values)
                     record = dict(dtype=name, batch=batch, ref=ref_rows, ref_grad=ref_grad, kind=kind, config=values)
                     try:
                         start = time.perf_counter()
-                        _, stats, forward = tk.forward_plan(*operands, *hyper)
+                        _, stats, forward = forward_plan(*operands, *hyper)
                         if kind == "forward":
                             record["ms"] = timed(forward)
                             result = stats
                         else:
                             for launch in forward:
                                 launch()
-                            *grads, backward = tk.backward_plan(torch.ones(batch, device="cuda"), stats, *operands,
-                                                                *hyper, ref_grad=ref_grad)
+                            *grads, backward = backward_plan(torch.ones(batch, device="cuda"), stats, *operands,
+                                                             *hyper, ref_grad=ref_grad)
                             record["ms"] = timed(backward)
                             result = torch.cat([(g.float().sum(0) if g.dim() == 3 else g.float()).flatten()
                                                 for g in grads])  # (split partials summed; dref when there is one)
@@ -201,7 +201,7 @@ def main():
                         record["rel_diff"] = difference(result, expected)
                     except Exception as error:  # noqa: BLE001  (out of resources: recorded, the sweep goes on)
                         record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
-                    tk.tile_config = SHIPPED
+                    launcher.tile_config = SHIPPED
                     records.append(record)
                     print(json.dumps(record), flush=True)
                     save(records, args.out)

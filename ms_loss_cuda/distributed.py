@@ -8,7 +8,8 @@ loss on the concatenated batch. The value returned on every rank is that single-
 import torch
 import torch.distributed as dist
 
-from .loss import _loss_dtype, multi_similarity_loss as _multi_similarity_loss, normalized_rows
+from .common import loss_dtype
+from .loss import multi_similarity_loss as _multi_similarity_loss, normalized_rows
 
 __all__ = ["gather", "multi_similarity_loss"]
 
@@ -104,4 +105,4 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
     dist.all_reduce(value)
     world = dist.get_world_size()
     loss = own * world + (value - own * world).detach()  # the global value, the DDP-scaled gradient
-    return loss.to(_loss_dtype(embeddings))
+    return loss.to(loss_dtype(embeddings))

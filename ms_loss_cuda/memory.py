@@ -3,7 +3,7 @@
 import torch
 
 from .loss import multi_similarity_loss, normalized_rows
-from .ops import HYPER_PARAMETERS
+from .common import HYPER_PARAMETERS
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 

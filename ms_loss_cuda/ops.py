@@ -7,10 +7,11 @@ autograd formula, so `torch.compile` and `opcheck` see every backend the same wa
 differentiable forward the loss calls (`fused_forward` for the C++ ops).
 `LOAD_ERROR` holds why the extension could not be loaded (None when it was).
 """
-import inspect
 import os
 
 import torch
+
+from .common import HYPER_PARAMETERS, compute_dtype
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.ms_loss_cuda)
@@ -18,15 +19,6 @@ try:
     LOAD_ERROR = None
 except ImportError as error:  # the package still works through the reference backend
     LOAD_ERROR = error
-
-HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
-GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
-
-
-def _compute_dtype(x):
-    """The dtype of every similarity, exponent, sum and of the loss: float64 for float64, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 def cpu_saved_rows(batch, ref_rows, elem_size, self_case):
     """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward
@@ -60,15 +52,14 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
     stats [4 + saved_rows(x, ref), B]: what the backward reuses); backward(grad_loss, stats, x, ...,
     *hyper, ref_grad) -> (grad_x, grad_ref or empty [0]). Autograd asks for grad_ref only when ref
     requires a gradient (a memory bank does not).
-    Returns the differentiable forward: the op where the call is traced (`_traced`); in eager mode
+    Returns the differentiable forward: the op where the call is traced (`traced`); in eager mode
     the same implementations, saved tensors and gradient through a plain autograd.Function, which
-    skips the op's Python dispatch layers (bench/host_time.py: a Triton step's host time 0.65 -> 0.49
-    ms on this project's CPU machines)."""
+    skips the op's Python dispatch layers (bench/host_time.py measures both paths)."""
     traced_forward = _op(forward_name)
 
     @torch.library.register_fake(forward_name)
     def _forward_fake(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters):
-        batch, dtype = x.shape[0], _compute_dtype(x)
+        batch, dtype = x.shape[0], compute_dtype(x)
         extra = 0 if saved_rows is None else saved_rows(x, ref)
         return x.new_empty((batch,), dtype=dtype), x.new_empty((4 + extra, batch), dtype=dtype)
 
@@ -113,7 +104,7 @@ def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, 
         backward = staticmethod(gradient_through(backward_impl))
 
     def fused_forward(*inputs):
-        return traced_forward(*inputs) if _traced() else Eager.apply(*inputs)
+        return traced_forward(*inputs) if traced() else Eager.apply(*inputs)
 
     return fused_forward
 
@@ -144,15 +135,7 @@ class _FirstDerivativeOnly(torch.autograd.Function):
                            "backend='reference' to differentiate the loss twice")
 
 
-def fixed_signature(fn):
-    """`fn` with its signature worked out once: autograd.Function.apply binds the inputs to the
-    signature of a forward that has a separate setup_context, which inspect rebuilt on every call
-    (about 18 us a call on this project's machines)."""
-    fn.__signature__ = inspect.signature(fn)
-    return fn
-
-
-def _traced():
+def traced():
     """Whether the call is traced rather than run: by torch.compile or export, or under one of torch's
     tracing modes (fake tensors, make_fx proxies, functionalisation), which need the op and its fake."""
     return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
@@ -172,4 +155,4 @@ if LOAD_ERROR is None:
     fused_forward = register_fused_op(
         "ms_loss_cuda::ms_loss_forward", "ms_loss_cuda::ms_loss_backward", forward_op, backward_op,
         saved_rows=lambda x, ref: 0 if x.device.type != "cpu" else cpu_saved_rows(
-            x.shape[0], x.shape[0] if ref is None else ref.shape[0], _compute_dtype(x).itemsize, ref is None))
+            x.shape[0], x.shape[0] if ref is None else ref.shape[0], compute_dtype(x).itemsize, ref is None))

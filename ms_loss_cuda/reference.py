@@ -7,6 +7,8 @@ and in pytorch-metric-learning. Inputs are used as given (the public API normali
 """
 import torch
 
+from .common import reduce_losses
+
 __all__ = ["mined_fraction", "multi_similarity_loss", "pair_masks"]
 
 
@@ -84,13 +86,6 @@ def multi_similarity_loss(
     if skip_incomplete_anchors:
         losses = torch.where(pos.any(dim=1) & neg.any(dim=1), losses, 0.0)
     return reduce_losses(losses, reduction)
-
-
-def reduce_losses(losses, reduction):
-    """"mean" divides by B (every anchor counts, 0 for B = 0), "sum" sums, "none" keeps [B]."""
-    if reduction == "none":
-        return losses
-    return losses.mean() if reduction == "mean" and losses.shape[0] else losses.sum()
 
 
 @torch.no_grad()

@@ -134,44 +134,47 @@ def test_module_matches_function_and_has_pml_signature():
 
 
 def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):
-    from ms_loss_cuda import loss as api
+    from ms_loss_cuda import backends
 
     reasons = {"cuda": None, "triton": None, "cpu": "CPU tensors only"}
-    monkeypatch.setattr(api, "_unavailable_reason", lambda backend, device, dtype=None: reasons.get(backend))
+    for name in reasons:
+        monkeypatch.setattr(backends.get(name), "unavailable_reason",
+                            lambda device, dtype=None, name=name: reasons[name])
     cuda = torch.device("cuda")
-    assert api._resolve_backend("auto", cuda, torch.float16) == "triton"
-    assert api._resolve_backend("auto", cuda, torch.bfloat16) == "triton"
-    assert api._resolve_backend("auto", cuda, torch.float32) == "triton"
+
+    def auto(dtype):
+        return backends.resolve("auto", cuda, dtype).name
+
+    assert auto(torch.float16) == auto(torch.bfloat16) == auto(torch.float32) == "triton"
     reasons["triton"] = "no triton"
-    assert api._resolve_backend("auto", cuda, torch.float16) == "cuda"
-    assert api._resolve_backend("auto", cuda, torch.float32) == "cuda"
+    assert auto(torch.float16) == auto(torch.float32) == "cuda"
     reasons.update(cuda="not built", triton=None)
-    assert api._resolve_backend("auto", cuda, torch.float32) == "triton"
+    assert auto(torch.float32) == "triton"
     reasons.update(triton="no triton")
-    monkeypatch.setattr(api, "_warned_fallback", False)
+    monkeypatch.setattr(backends, "_warned_fallback", False)
     with pytest.warns(UserWarning, match=r"dense reference backend \(triton: no triton; cuda: not built\)"):
-        assert api._resolve_backend("auto", cuda, torch.float16) == "reference"
-    assert api._resolve_backend("auto", cuda, torch.float64) == "reference"
+        assert auto(torch.float16) == "reference"
+    assert auto(torch.float64) == "reference"
 
 
 def test_triton_needs_a_gpu_of_compute_capability_8(monkeypatch):
     """Triton supports GPUs of compute capability 8.0 and up; below (V100, T4) its 16-bit kernels
     compile without tensor-core instructions and spill, so "auto" must not pick it there."""
     pytest.importorskip("triton")
-    from ms_loss_cuda import loss as api
+    from ms_loss_cuda import backends
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
     for capability, reason in (((7, 5), "compute capability 8.0 or newer"), ((8, 6), None), ((12, 0), None)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            got = api._unavailable_reason("triton", cuda, dtype)
+            got = backends.get("triton").unavailable_reason(cuda, dtype)
             assert got is None if reason is None else reason in got
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_unit_rows_is_normalize_in_the_input_dtype(dtype):
-    from ms_loss_cuda.loss import unit_rows
+    from ms_loss_cuda.common import unit_rows
 
     gen = torch.Generator().manual_seed(0)  # (unseeded, about 1 draw in 40 failed the bfloat16 gradient)
     x = torch.randn(9, 5, dtype=torch.float64, generator=gen).to(dtype)
@@ -191,7 +194,7 @@ def test_unit_rows_is_normalize_in_the_input_dtype(dtype):
 def test_unit_rows_of_rows_whose_norm_overflows_their_dtype(dtype, scale):
     """float16 rows of norm above 65504, float32 and bfloat16 rows whose squares overflow float32:
     the unit rows and their gradient as in float64 (F.normalize gives rows of 0 for the last two)."""
-    from ms_loss_cuda.loss import unit_rows
+    from ms_loss_cuda.common import unit_rows
 
     gen = torch.Generator().manual_seed(3)
     t = (torch.randn(5, 1000, generator=gen, dtype=torch.float64) * scale).to(dtype)
@@ -208,7 +211,7 @@ def test_unit_rows_of_rows_whose_norm_overflows_their_dtype(dtype, scale):
 
 
 def test_unit_rows_second_derivatives_and_vmap():
-    from ms_loss_cuda.loss import unit_rows
+    from ms_loss_cuda.common import unit_rows
 
     x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(unit_rows, (x,))
@@ -265,7 +268,7 @@ def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, mo
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast needs a GPU")
 def test_16_bit_embeddings_stay_16_bit_under_autocast():
-    from ms_loss_cuda.loss import unit_rows
+    from ms_loss_cuda.common import unit_rows
 
     x = torch.randn(8, 16, device="cuda", dtype=torch.float16)
     with torch.autocast("cuda", dtype=torch.float16):

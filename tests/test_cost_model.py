@@ -1,4 +1,4 @@
-"""The Triton plans' work, counted from the launch plans themselves (triton_kernels.plan_cost): how
+"""The Triton plans' work, counted from the launch plans themselves (`plan_cost`, below): how
 many GEMM-equivalents (one = 2 * B * R * D flops) a forward + backward does, and how many programs
 each launch that walks every column has on a 132-multiprocessor H100, for the fused backward and
 the chunked one. No GPU needed: the plans are made for CPU tensors with the GPU tile table
@@ -8,13 +8,55 @@ import torch
 from conftest import label_order_by_torch
 
 triton_kernels = pytest.importorskip("ms_loss_cuda.triton_kernels")
+from ms_loss_cuda.triton_kernels import backward, launcher  # noqa: E402
+from ms_loss_cuda.triton_kernels.backward import Product  # noqa: E402
+from ms_loss_cuda.triton_kernels.launcher import Launch, cdiv  # noqa: E402
 
 H100 = 132
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float32-tf32": torch.float32}
 
 
+def plan_cost(launches, num_x, num_ref, dim):
+    """{"gemms": the launches' multiply-add work in GEMM-equivalents (one = 2 * num_x * num_ref * dim
+    flops, a forward X @ R^T), "programs": {kernel: programs of its launch}}, counted from the launch
+    plans themselves: grids, tile shapes, the K-steps of every S tile (padding included), each
+    program's column range and, for the positive ranges, their actual lengths; a chunked backward's
+    cuBLAS products (`Product`) at their shapes, its chunks' programs the fewest of any chunk."""
+    flops, programs = 0, {}
+    for launch in launches:
+        if isinstance(launch, Product):
+            flops += 2 * launch.w.shape[0] * launch.w.shape[1] * launch.b.shape[1]
+            continue
+        if not isinstance(launch, Launch) or "BLOCK_N" not in launch.constexprs:
+            continue
+        c, args, name = launch.constexprs, launch.args, launch.kernel.fn.__name__
+        grid = launch.grid + (1,) * (3 - len(launch.grid))
+        if "A_ANCHORS" in c:
+            name += "[dx]" if c["A_ANCHORS"] else "[dref]"
+        name += "[range]" if c.get("RANGE_TILES") else ""
+        programs[name] = min(programs.get(name, grid[0] * grid[1] * grid[2]), grid[0] * grid[1] * grid[2])
+        s_tile = 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] * cdiv(args["dim"], c["BLOCK_K"])
+        per_tile = s_tile + (2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"] if "BLOCK_D" in c else 0)
+        if "col_order_ptr" in args:  # the positive ranges: their tiles, row block by row block
+            lengths = (args["range_ptr"][:, 1] - args["range_ptr"][:, 0]).tolist()
+            flops += per_tile * sum(cdiv(n, c["BLOCK_N"]) for n in lengths)
+            continue
+        if c.get("RANGE_TILES"):  # the chunk's row blocks' positive ranges, within its columns
+            blocks = args["range_ptr"][args["row_begin"] // c["BLOCK_M"]:][:grid[1]]
+            lengths = (blocks[:, 1].clamp(max=args["col_end"]) - blocks[:, 0].clamp(min=args["col_begin"])).tolist()
+            flops += s_tile * sum(cdiv(max(n, 0), c["BLOCK_N"]) for n in lengths)
+            continue
+        if "w_ptr" in args:  # weights_kernel: one tile a program
+            flops += s_tile * grid[0] * grid[1]
+            continue
+        columns, per_split = args.get("num_ref", args.get("num_b")), args["cols_per_split"]
+        tiles = sum(cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
+        flops += per_tile * tiles * grid[0] * (grid[1] if "BLOCK_D" in c else 1)
+    return {"gemms": flops / max(2 * num_x * num_ref * dim, 1), "programs": programs}
+
+
 def _forward_plan(x, labels, ref, ref_labels, hyper):
-    """forward_plan for an H100; in the self case with what its first launch (_label_order_kernel) writes,
+    """forward_plan for an H100; in the self case with what its first launch (label_order_kernel) writes,
     by torch's ops: the positive ranges the cost model reads and the order the backward's plan reads
     (interpreting the kernel at these sizes takes seconds)."""
     loss, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper,
@@ -49,7 +91,7 @@ def _cost(batch, dim, dtype_name, ref_rows=None, mining=True, ref_grad=True, per
         _, stats, forward = _forward_plan(x, labels, ref, ref_labels, hyper)
         *_, backward = triton_kernels.backward_plan(torch.ones(batch), stats, x, labels, None, ref, ref_labels, None,
                                                     *hyper, ref_grad=ref_grad, interpret=False, multiprocessors=H100)
-        cost = triton_kernels.plan_cost(forward + backward, batch, batch if ref is None else ref_rows, dim)
+        cost = plan_cost(forward + backward, batch, batch if ref is None else ref_rows, dim)
         return (cost, backward) if with_plan else cost
     finally:
         torch.set_float32_matmul_precision(before)
@@ -80,7 +122,7 @@ def test_reference_set_takes_at_most_5_gemms(dtype_name, ref_grad, limit):
     none); plus 0.005 for the positive ranges (a class has 4 rows in 65536)."""
     cost = _cost(1024, 512, dtype_name, ref_rows=65536, ref_grad=ref_grad)
     assert cost["gemms"] <= limit, cost
-    assert ("_grad_kernel[dref]" in cost["programs"]) == ref_grad
+    assert ("grad_kernel[dref]" in cost["programs"]) == ref_grad
 
 
 def test_a_memory_bank_of_random_classes_costs_no_more():
@@ -97,7 +139,7 @@ def test_a_memory_bank_of_random_classes_costs_no_more():
     assert int((ranges[:, 1] - ranges[:, 0]).max()) <= 128 * 16  # a block's labels have about 4 columns each
     *_, backward = triton_kernels.backward_plan(torch.ones(1024), stats, x, labels, None, ref, ref_labels, None,
                                                 *hyper, ref_grad=False, interpret=False, multiprocessors=H100)
-    assert triton_kernels.plan_cost(forward + backward, 1024, 65536, 512)["gemms"] <= 3.01
+    assert plan_cost(forward + backward, 1024, 65536, 512)["gemms"] <= 3.01
 
 
 def test_large_classes_cost_more_but_stay_bounded():
@@ -113,7 +155,7 @@ def test_launches_fill_an_h100(batch, ref_rows):
     split where the row blocks are too few), with no atomic additions: split partials are combined in
     a fixed order afterwards."""
     cost = _cost(batch, 512, "float16", ref_rows=ref_rows)
-    walking = {k: v for k, v in cost["programs"].items() if k.startswith(("_negatives", "_grad"))}
+    walking = {k: v for k, v in cost["programs"].items() if k.startswith(("negatives", "grad"))}
     assert len(walking) == (2 if ref_rows is None else 3)
     assert all(programs >= 2 * H100 for programs in walking.values()), cost["programs"]
 
@@ -135,9 +177,9 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", str(mib))
     cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=False, with_plan=True)
     assert cost["gemms"] <= limit, cost
-    assert cost["programs"]["_weights_kernel"] >= 2 * H100, cost["programs"]
-    launches = [launch for launch in backward if isinstance(launch, triton_kernels.ms_loss.Launch)
-                and launch.kernel.fn.__name__ == "_weights_kernel"]
+    assert cost["programs"]["weights_kernel"] >= 2 * H100, cost["programs"]
+    launches = [launch for launch in backward if isinstance(launch, Launch)
+                and launch.kernel.fn.__name__ == "weights_kernel"]
     weights = [launch for launch in launches if not launch.constexprs["RANGE_TILES"]]
     # the self case's label-free tiles, each chunk's followed by its positive ranges' classified tiles
     assert [launch.constexprs["RANGE_TILES"] for launch in launches] == (
@@ -147,7 +189,7 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     assert not any(launch.constexprs["COPY"] for launch in weights)
     w = weights[0].args["w_ptr"]
     assert w.untyped_storage().nbytes() <= mib * MIB
-    products = [step for step in backward if isinstance(step, triton_kernels.ms_loss.Product)]
+    products = [step for step in backward if isinstance(step, Product)]
     several = batch * (ref_rows or batch) * w.element_size() > mib * MIB
     assert len(weights) >= (2 if several else 1)
     triangle = weights[0].constexprs["BOTH_LIFTS"]
@@ -158,13 +200,13 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("batch,ref_rows", [(2048, 16384), (1024, 262144)])
 def test_the_chunked_backward_of_a_reference_set_with_gradient_computes_s_once(monkeypatch, dtype_name, batch,
-                                                                                ref_rows):
+                                                                               ref_rows):
     """dx and dref from the same weights (two copies, two cuBLAS products): 4 GEMM-equivalents where
     the fused launches take 5, both buffers together within the budget."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
     cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=True, with_plan=True)
-    assert cost["gemms"] <= 4.03 and set(cost["programs"]) >= {"_weights_kernel"}, cost  # (+0.02: positive ranges)
-    assert not any(name.startswith("_grad_kernel") for name in cost["programs"])
+    assert cost["gemms"] <= 4.03 and set(cost["programs"]) >= {"weights_kernel"}, cost  # (+0.02: positive ranges)
+    assert not any(name.startswith("grad_kernel") for name in cost["programs"])
     weights = [launch for launch in backward if getattr(launch, "args", {}).get("copy_ptr") is not None]
     w, w_copy = weights[0].args["w_ptr"], weights[0].args["copy_ptr"]
     assert w.data_ptr() != w_copy.data_ptr() and 2 * w.numel() * w.element_size() <= 64 * MIB
@@ -175,7 +217,7 @@ def test_the_chunked_backward_of_a_reference_set_with_gradient_computes_s_once(m
                                                       (300, 128, 1000, 3 * 128 * 1000 * 2 - 1), (0, 64, 5, 1),
                                                       (300, 64, 300, 256 * 300 * 2)])
 def test_chunks_cover_everything_once_within_the_budget(total, block, other, budget):
-    chunks = triton_kernels.ms_loss._chunks(total, block, other, 2, budget)
+    chunks = backward.even_chunks(total, block, other, 2, budget)
     assert [begin for begin, _ in chunks] == [end for _, end in [(0, 0)] + chunks[:-1]][:len(chunks)]
     assert (chunks[-1][1] if chunks else 0) == total
     sizes = [end - begin for begin, end in chunks]
@@ -192,7 +234,7 @@ def test_triangle_chunks_cover_every_row_once_within_the_budget(total, block, bu
     """The self case's chunks: rows [r0, r1) against columns r0 ... total, each the most whole blocks
     within the budget (or one block), so they grow as the columns shrink; the last two share what
     would have left a sliver."""
-    chunks = triton_kernels.ms_loss._triangle_chunks(total, block, 2, budget)
+    chunks = backward.triangle_chunks(total, block, 2, budget)
     assert [begin for begin, _ in chunks] == [end for _, end in [(0, 0)] + chunks[:-1]][:len(chunks)]
     assert (chunks[-1][1] if chunks else 0) == total
     sizes = [end - begin for begin, end in chunks]
@@ -213,8 +255,8 @@ def test_float16_keeps_the_fused_backward_under_float16_accumulation(monkeypatch
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", True)
     _, backward = _cost(4096, 512, dtype_name, with_plan=True)
-    names = {launch.kernel.fn.__name__ for launch in backward if isinstance(launch, triton_kernels.ms_loss.Launch)}
-    assert ("_weights_kernel" in names) == chunked and ("_grad_kernel" in names) != chunked
+    names = {launch.kernel.fn.__name__ for launch in backward if isinstance(launch, Launch)}
+    assert ("weights_kernel" in names) == chunked and ("grad_kernel" in names) != chunked
 
 
 @pytest.mark.parametrize("text,expected", [(None, 256 * MIB), ("", 256 * MIB), ("0", 0), ("64", 64 * MIB),
@@ -224,13 +266,13 @@ def test_the_chunk_budget_comes_from_the_environment(monkeypatch, text, expected
     monkeypatch.delenv("MS_LOSS_TRITON_CHUNK_MB", raising=False)
     if text is not None:
         monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", text)
-    assert triton_kernels.ms_loss.chunk_budget(interpret=False) == expected
-    assert triton_kernels.tile_config("backward", torch.float16, 512, interpret=False)["CHUNK_BYTES"] == expected
-    assert triton_kernels.ms_loss.chunk_budget(interpret=True) == (expected if text else 0)
+    assert launcher.chunk_budget(interpret=False) == expected
+    assert launcher.tile_config("backward", torch.float16, 512, interpret=False)["CHUNK_BYTES"] == expected
+    assert launcher.chunk_budget(interpret=True) == (expected if text else 0)
 
 
 @pytest.mark.parametrize("text", ["-1", "nan", "inf", "lots"])
 def test_a_bad_chunk_budget_is_refused(monkeypatch, text):
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", text)
     with pytest.raises(ValueError, match="MS_LOSS_TRITON_CHUNK_MB must be a number of MiB >= 0"):
-        triton_kernels.ms_loss.chunk_budget()
+        launcher.chunk_budget()

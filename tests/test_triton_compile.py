@@ -31,27 +31,27 @@ def describe(record):
 
 
 def test_every_kernel_compiles_for_both_targets(records):
-    kernels = {"_label_order_kernel", "_unlifted_rows_kernel", "_minpos_kernel",
-               "_negatives_kernel[check_ids=False][skip_range=True]",
-               "_negatives_kernel[check_ids=True][skip_range=True]",
-               "_negatives_kernel[check_ids=False][skip_range=False]", "_finish_kernel[skip_range=True]",
-               "_finish_kernel[skip_range=False]", "_scales_kernel[column_lift=False]",
-               "_scales_kernel[column_lift=True]", "_scales_kernel[column_lift=False][half_lift]",
-               "_scales_kernel[column_lift=False][uniform]", "_scales_kernel[column_lift=False][half_lift][uniform]",
-               "_grad_kernel[rows=True,cols=False][check_ids=False]",
-               "_grad_kernel[rows=False,cols=True][check_ids=False]",
-               "_weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False]",
-               "_weights_kernel[cols=False,both_lifts=False,copy=True][check_ids=False]"}
+    kernels = {"label_order_kernel", "unlifted_rows_kernel", "minpos_kernel",
+               "negatives_kernel[check_ids=False][skip_range=True]",
+               "negatives_kernel[check_ids=True][skip_range=True]",
+               "negatives_kernel[check_ids=False][skip_range=False]", "finish_kernel[skip_range=True]",
+               "finish_kernel[skip_range=False]", "scales_kernel[column_lift=False]",
+               "scales_kernel[column_lift=True]", "scales_kernel[column_lift=False][half_lift]",
+               "scales_kernel[column_lift=False][uniform]", "scales_kernel[column_lift=False][half_lift][uniform]",
+               "grad_kernel[rows=True,cols=False][check_ids=False]",
+               "grad_kernel[rows=False,cols=True][check_ids=False]",
+               "weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False]",
+               "weights_kernel[cols=False,both_lifts=False,copy=True][check_ids=False]"}
     # the self case's chunked backward in label order, with and without the caller's identities, and its
     # positive ranges' launch
-    kernels |= {f"_weights_kernel[cols=True,both_lifts={lift},copy=False][check_ids={ids}][label_order]{ranges}"
+    kernels |= {f"weights_kernel[cols=True,both_lifts={lift},copy=False][check_ids={ids}][label_order]{ranges}"
                 for lift in (False, True) for ids, ranges in ((False, ""), (False, "[range_tiles]"),
                                                              (True, "[range_tiles]"))}
     # the fused backward takes the self case in label order, with and without the caller's identities
-    kernels |= {f"_grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
+    kernels |= {f"grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
     # the normalisation (no float32-tf32 variant)
-    rows = {"_unit_rows_kernel", "_unit_rows_grad_kernel", "_scaled_rows_kernel"}
-    rows |= {f"_unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}
+    rows = {"unit_rows_kernel", "unit_rows_grad_kernel", "scaled_rows_kernel"}
+    rows |= {f"unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == \
@@ -61,8 +61,8 @@ def test_every_kernel_compiles_for_both_targets(records):
 def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
     products = [r for r in records if r["dtype"] != "float32"  # (the label order, finish, scales and row
                 # kernels have no product)
-                and not r["kernel"].startswith(("_label_order", "_finish", "_scales", "_unit_rows", "_unlifted_rows",
-                                                "_scaled_rows"))]
+                and not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "unlifted_rows",
+                                                "scaled_rows"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

@@ -23,7 +23,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
-from ms_loss_cuda.triton_kernels.ms_loss import Launch, scaled_rows_plan, unit_rows_grad_plan, unit_rows_plan
+from ms_loss_cuda.triton_kernels.launcher import Launch
+from ms_loss_cuda.triton_kernels.row_kernels import scaled_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
@@ -31,7 +32,7 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16:
                  torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
 ROW_KERNEL_DIMS = (130, 512)  # the row kernels: a masked and a whole block of columns
-PLAN_ROW_KERNELS = ("_label_order_kernel", "_unlifted_rows_kernel")  # (the plans' row kernels: at those D only)
+PLAN_ROW_KERNELS = ("label_order_kernel", "unlifted_rows_kernel")  # (the plans' row kernels: at those D only)
 ROWS, REF_ROWS = 4096, 1000
 
 
@@ -56,10 +57,10 @@ def launches(dtype_name, dim, mining, skip, cc):
         # the input's dtype ("none") or into float32 (the gradient its forward makes for "mean" and "sum")
         padded, order = torch.zeros(ROWS, dim + 16, dtype=torch.float32), torch.arange(ROWS, dtype=torch.int32)
         for out, suffix in ((None, ""), (torch.float32, "[to_float32]")):
-            found["_unit_rows_grad_kernel[ordered]" + suffix] = unit_rows_grad_plan(padded, y, norm, order, out)[1][0]
-            found["_unit_rows_grad_kernel[float32]" + suffix] = unit_rows_grad_plan(padded, y, norm, None, out)[1][0]
+            found["unit_rows_grad_kernel[ordered]" + suffix] = unit_rows_grad_plan(padded, y, norm, order, out)[1][0]
+            found["unit_rows_grad_kernel[float32]" + suffix] = unit_rows_grad_plan(padded, y, norm, None, out)[1][0]
         # the eager loss's backward: its float32 gradient for grad_output 1 times the grad_output
-        found["_scaled_rows_kernel"] = scaled_rows_plan(padded[:, :dim], torch.ones((), dtype=dtype), dtype)[1][0]
+        found["scaled_rows_kernel"] = scaled_rows_plan(padded[:, :dim], torch.ones((), dtype=dtype), dtype)[1][0]
     cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down
@@ -67,7 +68,7 @@ def launches(dtype_name, dim, mining, skip, cc):
     for case, i, r, rl in cases:
         capability = divmod(cc, 10)
         _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
-        if r is None:  # the label order _label_order_kernel would write, which the backward's plan reads
+        if r is None:  # the label order label_order_kernel would write, which the backward's plan reads
             order = torch.sort(labels, stable=True).indices
             ranks = torch.searchsorted(labels[order], labels[order])
             stats[4:].view(torch.int32).copy_(torch.stack([order, ranks]))
@@ -166,7 +167,7 @@ def jobs():
                     if cc in BLACKWELL and (dtype not in ("float16", "float32") or dim != DIMS[-1] or not mining):
                         continue
                     for name, launch in group_launches(dtype, dim, mining, skip, cc).items():
-                        if name == "_minpos_kernel" and not mining:
+                        if name == "minpos_kernel" and not mining:
                             continue  # it has no mining option
                         yield (dtype, dim, mining, skip, name, cc), compile_key(launch, cc)
 

@@ -1,10 +1,22 @@
-"""Triton kernels of the MS loss, installed as ms_loss_cuda.triton_kernels (see ms_loss.py).
+"""The Triton backend of the MS loss, installed as ms_loss_cuda.triton_kernels.
 
-Importing this package needs Triton; it registers torch.ops.ms_loss_cuda.triton_forward/_backward.
-Set TRITON_INTERPRET=1 before importing it to run the kernels on CPU tensors.
+Importing it needs Triton; it registers torch.ops.ms_loss_cuda.triton_forward/_backward. Set
+TRITON_INTERPRET=1 before importing it to run the kernels on CPU tensors (the tests do).
+
+Modules, from the per-pair math up (docs/design.md explains the algorithm):
+- pairs.py: the per-pair math and the similarity tiles every kernel is built from;
+- forward_kernels.py, backward_kernels.py, row_kernels.py: the Triton kernels;
+- launcher.py: direct launches, the tile table, running a plan;
+- operands.py: aligned rows, int32 keys, the label order, the positive ranges, column splits;
+- forward.py, backward.py: the launch plans of the forward and of both backwards;
+- op.py: the custom ops, their autograd and the eager one-node loss;
+- backend.py: the backend the public API calls (BACKEND).
 """
-from .ms_loss import (INTERPRETED, backward_plan, column_splits, eager_loss, forward_plan, fused_forward, int32_keys,
-                      plan_cost, positive_ranges, tile_config, triton_backward, triton_forward, unit_rows)
+from .backend import BACKEND
+from .backward import backward_plan
+from .forward import forward_plan
+from .launcher import INTERPRETED
+from .op import eager_loss, fused_forward, triton_backward, triton_forward, unit_rows
 
-__all__ = ["INTERPRETED", "backward_plan", "column_splits", "eager_loss", "forward_plan", "fused_forward", "int32_keys",
-           "plan_cost", "positive_ranges", "tile_config", "triton_backward", "triton_forward", "unit_rows"]
+__all__ = ["BACKEND", "INTERPRETED", "backward_plan", "eager_loss", "forward_plan", "fused_forward",
+           "triton_backward", "triton_forward", "unit_rows"]

@@ -1,0 +1,214 @@
+"""What every backend shares: the input checks, the dtype rules, the reduction, the handling of
+non-finite inputs, the normalisation, and `Backend`, the small interface each backend implements.
+
+The public API (loss.py) checks its inputs and hyper-parameters here, picks a backend (backends.py)
+and calls its `loss`. `Backend.loss` is the one call path: normalise the rows (cosine similarity),
+compute the per-anchor losses, reduce them in float32 (float64 for float64 inputs), turn the result
+into NaN where an input holds a NaN or an infinity, and cast it to the embeddings' dtype. A backend
+supplies its per-anchor losses, and may replace the whole path with a faster one of its own that
+keeps these rules (the Triton backend's eager call is one autograd node).
+"""
+import inspect
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
+REDUCTIONS = ("mean", "sum", "none")
+# the hyper-parameters every backend takes, in the order of the fused ops' schema (csrc/ms_loss_schema.h)
+HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
+
+
+# ---- dtype rules ------------------------------------------------------------------------------
+def compute_dtype(x):
+    """The dtype of every similarity, exponent, sum and of the loss: float64 for float64, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def squares_dtype(dtype):
+    """What the squares of a row of `dtype` are summed in for its norm: float64 for float32 and bfloat16
+    rows (in float32 they overflow from a norm of about 1.8e19 on), float32 for float16 ones."""
+    return torch.float32 if dtype == torch.float16 else torch.float64
+
+
+def loss_dtype(embeddings):
+    """The embeddings' dtype, as torch's losses return; under autocast float32, as torch's losses run
+    there (so a GradScaler's factor of 2^16 never meets a float16 loss)."""
+    if embeddings.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(embeddings.device.type):
+        return torch.float32
+    return embeddings.dtype
+
+
+# ---- input checks -----------------------------------------------------------------------------
+def check_embeddings(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_keys(name, t, of_name, of):
+    """`t`: one integer key per row of the tensor `of` (named `of_name` in the error)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != of.shape[0]:
+        raise ValueError(f"{name} must have shape [{of.shape[0]}] to match {of_name} {tuple(of.shape)}, "
+                         f"got {tuple(t.shape)}")
+
+
+def check_hyper_parameters(alpha, beta, base, epsilon, reduction):
+    for name, value, ok, rule in (
+        ("alpha", alpha, lambda v: v > 0, "> 0"),
+        ("beta", beta, lambda v: v > 0, "> 0"),
+        ("epsilon", epsilon, lambda v: v >= 0, ">= 0"),
+        ("base", base, lambda v: True, "finite"),
+    ):
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{name} must be finite and {rule}, got {value}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
+    """Every tensor's type and shape, and one device for all. (On every eager step: error messages are
+    only built on failure.)"""
+    check_embeddings("embeddings", embeddings)
+    check_keys("labels", labels, "embeddings", embeddings)
+    if (ref_embeddings is None) != (ref_labels is None):
+        raise ValueError("ref_embeddings and ref_labels must be given together")
+    if ref_embeddings is not None:
+        check_embeddings("ref_embeddings", ref_embeddings)
+        if ref_embeddings.shape[1] != embeddings.shape[1]:
+            raise ValueError(
+                f"ref_embeddings {tuple(ref_embeddings.shape)} and embeddings "
+                f"{tuple(embeddings.shape)} must have the same D"
+            )
+        check_keys("ref_labels", ref_labels, "ref_embeddings", ref_embeddings)
+        if (ids is None) != (ref_ids is None):
+            raise ValueError("with a reference set, ids and ref_ids must be given together")
+    elif ref_ids is not None:
+        raise ValueError("ref_ids needs ref_embeddings (in the self case ids serve both ends)")
+    if ids is not None:
+        check_keys("ids", ids, "embeddings", embeddings)
+    if ref_ids is not None:
+        check_keys("ref_ids", ref_ids, "ref_embeddings", ref_embeddings)
+    named = (("embeddings", embeddings), ("labels", labels), ("ref_embeddings", ref_embeddings),
+             ("ref_labels", ref_labels), ("ids", ids), ("ref_ids", ref_ids))
+    device = embeddings.device
+    if any(t is not None and t.device != device for _, t in named):
+        raise ValueError("all tensors must be on one device, got " +
+                         ", ".join(f"{name} on {t.device}" for name, t in named if t is not None))
+
+
+# ---- reduction and non-finite inputs ------------------------------------------------------------
+def reduce_losses(losses, reduction):
+    """"mean" divides by B (every anchor counts, 0 for B = 0), "sum" sums, "none" keeps [B]."""
+    if reduction == "none":
+        return losses
+    return losses.mean() if reduction == "mean" and losses.shape[0] else losses.sum()
+
+
+def nan_if_nonfinite(loss, *inputs):
+    """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on each
+    tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's size, where
+    torch.isfinite(t).all() makes a boolean one and reads it again. Each extreme is added times 0 (alpha=0: 0,
+    or NaN where it is not finite): three ops in the self case, none in the backward (each op is a GPU launch
+    that costs host time)."""
+    for t in inputs:
+        if t is not None and t.numel() > 0:
+            for extreme in torch.aminmax(t.detach()):
+                loss = torch.add(loss, extreme, alpha=0)
+    return loss
+
+
+# ---- the normalisation ----------------------------------------------------------------------------
+def fixed_signature(fn):
+    """`fn` with its signature worked out once: autograd.Function.apply binds the inputs to the
+    signature of a forward that has a separate setup_context, which inspect would rebuild on every
+    call."""
+    fn.__signature__ = inspect.signature(fn)
+    return fn
+
+
+def unit_rows(t):
+    """Rows scaled to unit L2 norm, in t's own dtype. Under CUDA autocast F.normalize returns float32
+    (its norm is an autocast float32 op), which would send 16-bit embeddings to the float32 kernels;
+    here only the norm is float32 (float64 for float64), the rows keep their dtype."""
+    return _UnitRows.apply(t)
+
+
+def _row_norms(t):
+    """max(|t_i|, 1e-12) per row, in float32 (float64 for float64), the squares summed in
+    squares_dtype: only a norm beyond float32's range itself is lost (F.normalize makes a float32
+    row of norm above about 1.8e19 zero)."""
+    norms = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=squares_dtype(t.dtype))
+    return norms.to(compute_dtype(t)).clamp_min(1e-12)
+
+
+class _UnitRows(torch.autograd.Function):
+    """y = t / max(|t|, 1e-12) row by row, with the analytic backward dt = (g - y (g . y)) / |t| (just
+    g / 1e-12 where the norm was clamped): three passes over [B, D], where autograd's chain through
+    the division and the norm makes six. The backward is built from t and y with differentiable ops,
+    so second derivatives stay exact. 16-bit rows are divided by the float32 norm and rounded once:
+    a float16 norm would be inf above 65504 (and the row 0)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    @fixed_signature
+    def forward(t):
+        y = t / _row_norms(t)
+        return y if y.dtype == t.dtype else y.to(t.dtype)  # (torch 2.11's compiled backward is 0 after a no-op .to)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, g):
+        t, y = ctx.saved_tensors
+        norm = _row_norms(t)
+        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
+        return (torch.addcmul(g, y, along.to(g.dtype), value=-1) / norm).to(g.dtype)
+
+
+# ---- the backend interface ----------------------------------------------------------------------
+class Backend:
+    """What the public API asks of a backend. `name` is what `backend=` takes; `auto_devices` the
+    device types on which "auto" may pick it (backends.py tries them in its registry's order), `dtypes`
+    the embeddings' dtypes it takes.
+    Hyper-parameters come as a dict with every name of HYPER_PARAMETERS, floats checked already."""
+
+    name = None
+    auto_devices = ()
+    dtypes = FLOAT_DTYPES  # the embeddings' dtypes it takes
+
+    def unavailable_reason(self, device, dtype=None):
+        """Why this backend cannot run on `device` with embeddings of `dtype` (None: any), or None."""
+        if dtype is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"it takes {names} embeddings, got {dtype}"
+        return None
+
+    def unit_rows(self, t):
+        """The rows of `t` normalised as this backend's loss normalises them."""
+        return unit_rows(t)
+
+    def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
+        """The per-anchor losses [B] (compute dtype) of normalised (or raw) rows."""
+        raise NotImplementedError
+
+    def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
+        """The reduced loss, for inputs that check_inputs accepted."""
+        x, r = embeddings, ref
+        if normalize:
+            x = self.unit_rows(x)
+            r = None if r is None else self.unit_rows(r)
+        losses = self.anchor_losses(x, labels, ids, r, ref_labels, ref_ids, options)
+        loss = reduce_losses(losses, reduction)  # float32 (float64) sums, then the embeddings' dtype
+        return nan_if_nonfinite(loss, embeddings, ref).to(loss_dtype(embeddings))

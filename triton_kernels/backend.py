@@ -1,0 +1,60 @@
+"""The Triton backend as the public API sees it (common.Backend): where it runs, and the call path.
+
+An eager call takes `op.eager_loss`, one autograd node; a traced call (torch.compile, export, fake
+tensors) takes the custom ops through the common path, whose normalisation the compiler fuses
+itself. Both get their keys as the kernels compare them: int32 ranks, made once here for both ops
+(the self case's labels excepted: the forward's one sort ranks them, operands.label_order).
+"""
+import torch
+
+from .. import ops
+from ..common import GPU_DTYPES, HYPER_PARAMETERS, Backend, loss_dtype, unit_rows
+from . import launcher, op
+from .operands import int32_keys
+
+
+def _keys(labels, ids, ref, ref_labels, ref_ids):
+    """(labels, ids, ref, ref_labels, ref_ids) with the keys as the kernels compare them."""
+    if ref is not None:
+        labels, ref_labels = int32_keys(labels, ref_labels)
+    if ids is not None:
+        ids, ranked = int32_keys(ids, ids if ref_ids is None else ref_ids)
+        ref_ids = None if ref_ids is None else ranked
+    return labels, ids, ref, ref_labels, ref_ids
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    auto_devices = ("cuda",)
+    dtypes = GPU_DTYPES
+
+    def unavailable_reason(self, device, dtype=None):
+        reason = super().unavailable_reason(device, dtype)
+        if reason is not None:
+            return reason
+        if device.type == "cpu" and not launcher.INTERPRETED:
+            return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
+        if device.type not in ("cpu", "cuda"):
+            return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+            # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core
+            # instructions and spill (bench/kernel_resources.py --cc 75)
+            return (f"it needs a GPU of compute capability 8.0 or newer (as Triton does), "
+                    f"got {torch.cuda.get_device_capability(device)}")
+        return None
+
+    def unit_rows(self, t):
+        return unit_rows(t) if ops.traced() else op.unit_rows(t)
+
+    def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
+        hyper_parameters = [options[name] for name in HYPER_PARAMETERS]
+        return op.fused_forward(x, *_keys(labels, ids, ref, ref_labels, ref_ids), *hyper_parameters)[0]
+
+    def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
+        if ops.traced():
+            return super().loss(embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction)
+        return op.eager_loss(embeddings, *_keys(labels, ids, ref, ref_labels, ref_ids),
+                             [options[name] for name in HYPER_PARAMETERS], normalize, reduction, loss_dtype(embeddings))
+
+
+BACKEND = TritonBackend()

@@ -1,0 +1,305 @@
+"""The backward's launch plans: the fused backward, and the chunked one that hands its products to cuBLAS.
+
+`backward_plan` recomputes S from the forward's statistics and turns it into the gradient, in one of
+two forms (launcher.tile_config's CHUNK_BYTES, from $MS_LOSS_TRITON_CHUNK_MB):
+- fused: `scales_kernel`, then `grad_kernel`, which accumulates H @ b in registers;
+- chunked (a GPU's default): `scales_kernel`, then per chunk `weights_kernel` writes the lifted pair
+  weights H of a block of rows (or columns) into a buffer within the budget, and `Product` multiplies
+  it by cuBLAS with float32 sums. In the self case H is symmetric, so where chunks are tall enough a
+  chunk takes only the columns from its first row on (the triangle): half of S, and the transposed
+  product gives the later rows' share.
+The self case runs in the forward's label order (operands.saved_label_order) and puts the rows of
+dx back in the caller's order at the end (`Reorder`). Every row of a gradient is summed in a fixed
+order: the same bits on every run.
+"""
+from typing import NamedTuple
+
+import torch
+
+from . import launcher
+from .backward_kernels import grad_kernel, scales_kernel, weights_kernel
+from .launcher import INTERPRETED, Launch, cdiv
+from .operands import (block_ranges, check_beta, check_dtypes, column_splits, plan_operands, saved_label_order,
+                       shared_identities)
+from .row_kernels import rows_launch, unlifted_rows_kernel
+
+
+class Unlift(NamedTuple):
+    """A step of the chunked backward, after scales_kernel: out = numerator / lift, row by row. With
+    numerator norm, out [n, 1] takes the products of lifted weights back (`Product`): one lift per
+    row, or one for all ([1, 1]). (The triangle's rows of x: `unlifted_rows_kernel`.)"""
+    out: torch.Tensor
+    numerator: torch.Tensor
+    lift: torch.Tensor
+
+    def __call__(self):
+        torch.div(self.numerator, self.lift[:, None], out=self.out)
+
+
+class Reorder(NamedTuple):
+    """The chunked backward's last step in the self case, which runs in label order: out[order[r]] =
+    grad[r], the gradient's rows in the caller's order."""
+    out: torch.Tensor
+    grad: torch.Tensor
+    order: torch.Tensor
+
+    def __call__(self):
+        self.out.index_put_((self.order,), self.grad)  # (int32 indices, which index_copy_ refuses)
+
+
+class Product(NamedTuple):
+    """A step of the chunked backward: out (float32) = (w @ b) * unlift by cuBLAS, or out += that; the
+    rows of w come lifted (see scales_kernel) and `Unlift` made their unlift."""
+    w: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+    unlift: torch.Tensor
+    accumulate: bool
+
+    def __call__(self):  # (under `run`'s no_grad and autocast off)
+        if self.w.dtype == torch.float32:  # IEEE or TF32, as torch's float32 matmul precision says
+            product = self.w @ self.b
+        elif self.w.is_cuda:  # 16-bit tensor cores, float32 sums and result (torch >= 2.8)
+            product = torch.mm(self.w, self.b, out_dtype=torch.float32)
+        else:  # CPU tensors (the interpreter's tests): the same float32 sums of the 16-bit values
+            product = self.w.float() @ self.b.float()
+        if self.accumulate:
+            self.out.addcmul_(product, self.unlift)
+        else:
+            torch.mul(product, self.unlift, out=self.out)
+
+
+# ---- chunks --------------------------------------------------------------------------------------
+def even_chunks(total, block, other, element_size, budget):
+    """[begin, end) chunks of `total` rows (or columns) of equal size, whole `block`s, as few as keep a
+    weights buffer [chunk, other] within `budget` bytes (one block at the least)."""
+    if total == 0:
+        return []
+    most = max(budget // max(other * element_size, 1) // block, 1) * block
+    count = cdiv(total, most)
+    size = cdiv(cdiv(total, count), block) * block
+    return [(begin, min(begin + size, total)) for begin in range(0, total, size)]
+
+
+def triangle_chunks(total, block, element_size, budget):
+    """[begin, end) chunks of the self case's `total` anchor rows for the triangle, chunk [r0, r1)
+    against the columns r0 ... total: each the most whole `block`s whose weights (rows padded to
+    `_padded`) stay within `budget` bytes, one block at the least; later chunks, narrower, take more
+    rows, and where the rest would leave a sliver the last two halve it, so that no launch is left
+    with a few programs."""
+    chunks, begin = [], 0
+    while begin < total:
+        width = total - begin
+        rows = max(budget // (_padded(width) * element_size) // block, 1) * block
+        if rows < width < 2 * rows:
+            rows = cdiv(cdiv(width, 2), block) * block
+        chunks.append((begin, min(begin + rows, total)))
+        begin += rows
+    return chunks
+
+
+def _padded(columns):
+    """A weights buffer's row length: a multiple of 16 elements (aligned rows for cuBLAS, and Triton's
+    divisibility hint on w_stride: without it the weights kernel stores 2 bytes at a time)."""
+    return columns + (-columns % 16)
+
+
+# ---- the plans -----------------------------------------------------------------------------------
+# the chunked backward's programs per row block for its positive range: the tiles of a P x M batch's
+# range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
+RANGE_PROGRAMS = 4
+LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
+# the most each end of a weight is lifted in the chunked triangle (a weight then stays <= 2^8; the
+# rows of x are divided by it, and a larger one would push more of them below float16's normals)
+TRIANGLE_LIFT = 2.0 ** 7
+
+
+def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
+                  mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
+                  capability=None, grad_divisor=1, float32=False, rows_in_label_order=None):
+    """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
+    grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
+    without ref_grad. The chunked backward's gradients are float32, the fused one's in the inputs'
+    dtype, or float32 with `float32` (the eager loss's gradient for grad_output 1, which a 16-bit
+    "mean" would leave subnormal). A gradient whose launch splits its columns comes as float32 partials
+    [splits, rows, D], to be summed over the first axis. `rows_in_label_order`: the self case's rows
+    in the forward's label order where the caller has them (the eager loss: its forward's copy,
+    `forward_plan_keeping_rows`), else gathered here."""
+    check_dtypes(x, ref)
+    check_beta(beta)
+    a, b, a_labels, a_ids, b_labels, b_ids = plan_operands(x, labels, ids, ref, ref_labels, ref_ids,
+                                                           default_ids=ref is not None)
+    num_x, dim = a.shape
+    if grad_loss.shape != (num_x,):
+        raise ValueError(f"grad_loss must have shape [{num_x}] to match x, got {tuple(grad_loss.shape)}")
+    stats = stats.contiguous()
+    # Pair weights enter the second product in the input dtype: scaled to |.| <= 1 (grad/B under
+    # "mean" would be subnormal in float16) and then, row by row, back up towards 1 (scales_kernel).
+    # One gradient for all anchors (an expanded one, as "mean" and "sum" give): its norm from scales_kernel.
+    uniform = num_x > 0 and grad_loss.stride(0) == 0
+    if uniform:
+        norm = torch.empty(1, dtype=torch.float32, device=x.device)
+    elif num_x:
+        norm = torch.linalg.vector_norm(grad_loss.to(torch.float32), float("inf")).reshape(1)
+        norm = (norm if grad_divisor == 1 else norm / grad_divisor).clamp_min_(1e-30)
+    else:
+        norm = torch.ones(1, dtype=torch.float32, device=x.device)
+    capability = capability or launcher.device_capability(x.device)
+    config, warps, stages = launcher.split_config(launcher.tile_config("backward", a.dtype, dim, interpret, capability))
+    chunk_bytes = config.pop("CHUNK_BYTES")
+    if a.dtype == torch.float16 and torch.backends.cuda.matmul.allow_fp16_accumulation:
+        chunk_bytes = 0  # (cuBLAS refuses float32 results of float16 products then: the fused form instead)
+    copy, triangle = ref is not None and ref_grad, False
+    if chunk_bytes:
+        tiles = launcher.tile_config("weights", a.dtype, dim, interpret, capability)
+        triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
+        triangle_tiles = tiles.pop("TRIANGLE_TILES", {})
+        rectangles, triangle = chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
+                                                a.element_size() * (1 + copy), chunk_bytes, triangle_rows)
+        if triangle and tiles["BLOCK_M"] % triangle_tiles.get("BLOCK_M", 1) == 0:  # (its chunks are whole blocks)
+            tiles.update(triangle_tiles)
+    order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
+    if ref is None:
+        # the self case runs in label order: a tile beside its row block's positive range holds negatives
+        # only and takes its weights without labels (LABEL_ORDER); the gradient's rows go back at the end
+        # (the forward's, from stats: no sort)
+        order, a_labels = saved_label_order(stats, num_x)
+        label_order["range_ptr"] = block_ranges(a_labels, range_tiles["BLOCK_M"] if chunk_bytes else config["BLOCK_M"])
+        a = a.index_select(0, order) if rows_in_label_order is None else rows_in_label_order
+        stats = stats[:4].index_select(1, order)
+        a_ids = order if a_ids is None else a_ids.index_select(0, order)  # (default ids: the row index)
+        b, b_labels, b_ids = a, a_labels, a_ids
+        grad_loss = grad_loss.index_select(0, order) if grad_loss.stride(0) else grad_loss  # ("mean": expanded)
+        if ids is not None:
+            label_order["shared_ids_ptr"] = shared_identities(a_ids, a_labels)
+    label_order_flags = dict(LABEL_ORDER=ref is None, CHECK_IDS=ref is None and ids is not None)
+    scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
+    anchor_scale = torch.empty_like(scale)
+    column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
+                   if copy else norm)  # (dref's one lift for the rows of all anchors' weights; else never read)
+    block = 1024
+    scales = Launch(scales_kernel, (cdiv(num_x, block),),
+                    dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0), grad_divisor=float(grad_divisor),
+                         stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
+                         column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
+                         epsilon=epsilon, max_lift=TRIANGLE_LIFT if triangle else
+                         LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
+                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy, HALF_LIFT=triangle,
+                         UNIFORM=uniform, BLOCK=block),
+                    4, 1)
+    shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
+                  epsilon=epsilon)
+    if chunk_bytes:
+        weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
+                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift, **label_order)
+        tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
+                     BOTH_LIFTS=triangle, COPY=copy, **label_order_flags)
+        grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
+                                                anchor_scale, column_lift, scales)
+        if order is not None:
+            steps.append(Reorder(torch.empty_like(grad_x), grad_x, order))
+            grad_x = steps[-1].out
+        return grad_x, grad_ref, steps
+    grid_d = cdiv(dim, config["BLOCK_D"])
+    multiprocessors = multiprocessors or launcher.device_multiprocessors(x.device, interpret)
+    config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, **label_order_flags)
+
+    def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
+        row_programs = cdiv(rows.shape[0], config["BLOCK_M"])
+        splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
+                                               multiprocessors)
+        out = torch.empty_like(rows, dtype=torch.float32 if float32 else None) if splits == 1 else \
+            rows.new_empty((splits, *rows.shape), dtype=torch.float32)
+        args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
+                    b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, norm_ptr=norm,
+                    row_scale_ptr=anchor_scale if a_anchors else column_lift,  # (a reference set's rows: one lift)
+                    num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split,
+                    out_rows_ptr=norm if order is None else order, **label_order, **shared)
+        return out, Launch(grad_kernel, (row_programs, grid_d, splits), args,
+                           dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors), warps, stages)
+
+    if ref is None:  # row block I builds G_IJ + G_JI^T itself
+        grad_x, launch = grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), True, True)
+        return grad_x, x.new_empty((0,)), [scales, launch]
+    grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False)
+    if not ref_grad:  # a memory bank: no gradient for it, and no launch
+        return grad_x, x.new_empty((0,)), [scales, launch_x]
+    grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
+    return grad_x, grad_ref, [scales, launch_x, launch_ref]
+
+
+def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, triangle_rows):
+    """The chunked backward's chunks, ((row_begin, row_end), (col_begin, col_end)) each, and whether
+    they are the self case's triangle: its chunks when they are at least
+    triangle_rows tall (and more than one), else chunks of whole rows."""
+    if not self_case:
+        columns = even_chunks(num_b, tiles["BLOCK_N"], num_x, element_size, budget)
+        return [((0, num_x), chunk) for chunk in columns], False
+    chunks = triangle_chunks(num_x, tiles["BLOCK_M"], element_size, budget)
+    if len(chunks) > 1 and chunks[0][1] - chunks[0][0] >= triangle_rows:
+        return [((begin, end), (begin, num_b)) for begin, end in chunks], True
+    return [(rows, (0, num_b)) for rows in even_chunks(num_x, tiles["BLOCK_M"], num_b, element_size, budget)], False
+
+
+def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales):
+    """backward_plan's result for the chunked backward: weights_kernel writes the lifted pair weights
+    of a chunk (`chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
+    buffers within the budget and reused by every chunk.
+    Self case, the triangle (tiles["BOTH_LIFTS"]): H is symmetric (H_pq = H_qp), so chunk [r0, r1) of
+    the anchor rows computes only its columns from r0 on (`triangle_chunks`): dx[r0:r1] +=
+    H[r0:r1, r0:] @ x[r0:], and the part right of its own square gives the later rows' share,
+    dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1]. S costs half a GEMM-equivalent plus half of each chunk's
+    square, where all columns would cost one; the products still one, but the second reads and
+    writes all later rows of dx once per chunk, memory-bound for short chunks: so the triangle
+    needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
+    there, so H_pq is lifted by both ends' lifts, l_p l_q (`scales_kernel`'s HALF_LIFT: about the
+    square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
+    divided by theirs (`Unlift`): (H L) (L^-1 x) row by row, unlifted by each output row's own. So an
+    anchor whose grad_output is far below the largest keeps its precision, up to lifts of 2^14 in
+    all, where whole rows lift a row up to 2^14 alone. Otherwise: chunks of whole rows, each writing
+    its rows of dx once.
+    Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
+    gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
+    lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
+    Every gradient row is summed in a fixed order: the same bits on every run."""
+    tiles, warps, stages = launcher.split_config(tiles)
+    (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
+    size = max([(row_end - row_begin) * _padded(col_end - col_begin)
+                for (row_begin, row_end), (col_begin, col_end) in rectangles], default=0)
+    buffer = a.new_empty(size)  # each chunk's weights a [rows, _padded(columns)] view of it
+    copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
+    grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
+    grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
+    unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
+    steps = [scales, Unlift(unlift, norm, lift)]
+    if triangle:  # the rows of x that enter both products, each divided by its lift
+        a_unlifted = torch.empty_like(a)
+        steps.append(rows_launch(unlifted_rows_kernel, a.shape, {}, t_ptr=a, lift_ptr=lift, y_ptr=a_unlifted))
+    steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
+    for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
+        rows, cols = row_end - row_begin, col_end - col_begin
+        # the range launch's row blocks must be the ranges' (the label-free tiles' weights in a range are wrong)
+        assert not tiles["LABEL_ORDER"] or row_begin % range_tiles["BLOCK_M"] == 0
+        w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
+        grid = (cdiv(cols, tiles["BLOCK_N"]), cdiv(rows, tiles["BLOCK_M"]))
+        args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
+                    row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
+        steps.append(Launch(weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
+                            stages))  # (identities: the range launch's)
+        if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
+            range_config, range_warps, range_stages = launcher.split_config(range_tiles)
+            steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,
+                                dict(tiles, **range_config, RANGE_TILES=True), range_warps, range_stages))
+        if triangle:
+            steps.append(Product(w[:, :cols], a_unlifted[col_begin:], grad_x[row_begin:row_end],
+                                 unlift[row_begin:row_end], accumulate=chunk > 0))
+            if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
+                steps.append(Product(w[:, rows:cols].T, a_unlifted[row_begin:row_end], grad_x[row_end:],
+                                     unlift[row_end:], accumulate=chunk > 0))
+            continue
+        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x[row_begin:row_end], unlift[row_begin:row_end],
+                             accumulate=col_begin > 0))
+        if copy:
+            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref, accumulate=False))
+    return grad_x, grad_ref, steps
+

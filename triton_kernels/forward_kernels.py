@@ -1,0 +1,163 @@
+"""The forward's kernels: each anchor's hardest pairs and both log-sum-exps, in one pass over the columns.
+
+The anchors are taken in label order, in blocks of BLOCK_M (operands.label_order, or
+operands.positive_ranges for a reference set), so a block's positives lie in one short list of
+columns, its positive range. Three launches fill the loss and the statistics [4, B] = (minpos,
+maxneg, LP, LN) that the backward reuses:
+- `minpos_kernel`: S over the block's positive range -> each anchor's hardest positive (and the
+  hardest negative among those columns);
+- `negatives_kernel`: S over all columns of the program's column split, once -> the hardest negative
+  and, since the negatives' mining needs only minpos, the sum of exp over the mined negatives,
+  rescaled online whenever a larger exponent appears. In the self case it reads the anchors in label
+  order and skips the block's positive range, so every column it meets is a negative of the whole
+  block and its tiles carry no labels;
+- `finish_kernel`: the column splits combined in a fixed order, then S over the positive range again
+  for the sum over the mined positives (their mining needs the final maxneg) and, in the self case,
+  the range's own negatives -> LP, LN and the loss.
+Every sum runs in a fixed order: the same bits on every run.
+"""
+import triton
+import triton.language as tl
+
+from .pairs import (anchor_counts, column_range, load_keys, mined_negatives, ordered_rows, pair_tile,
+                    positive_range_tile, shifts, similarity_tile)
+
+
+@triton.jit
+def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
+                  segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim, SEGMENTED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Each anchor's hardest positive, from the columns of its block's positive range alone, and the
+    hardest negative among those columns: minpos [2, B]."""
+    rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
+    label_i, id_i = load_keys(labels_ptr, ids_ptr, rows, row_ok)
+    minpos = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
+    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
+        s, positive, negative = positive_range_tile(
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
+            label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, float("inf")), axis=1))
+        maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -float("inf")), axis=1))
+    tl.store(minpos_ptr + rows, minpos, mask=row_ok)
+    tl.store(minpos_ptr + num_x + rows, maxneg, mask=row_ok)
+
+
+@triton.jit
+def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, range_ptr,
+                     shared_ids_ptr, minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base,
+                     epsilon,
+                     MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The one pass over all columns (this program's split): the hardest negative, and the sum of
+    exp(beta (S - base)) over the mined negatives (which need only minpos, known already), online:
+    rescaled whenever a larger exponent appears. Partials [3, splits, B]: maxneg, shift, sum.
+    SKIP_RANGE (self case): the columns are the anchors in label order (ref = x[col_order]) and the
+    slots of this block's positive range are left out: the columns of the block's labels, whose
+    negatives minpos_kernel and finish_kernel take. Every other column has a label that no anchor
+    of the block has, so it is a negative of each of them, and the tile needs no labels (comparing
+    them for each pair of a tile costs registers that keep a second program off the multiprocessor); only
+    identities the caller gave can still make a pair of another label not count (CHECK_IDS,
+    ref_ids in the columns' order), and only where one identity is shared by rows of different
+    labels (shared_ids_ptr, a flag computed on the device: `shared_identities`), which a batch of
+    distinct samples never has. Otherwise pairs are classified by their labels and identities."""
+    rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
+    label_i, id_i = load_keys(labels_ptr, ids_ptr, rows, row_ok)
+    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
+    maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    shift = tl.zeros((BLOCK_M,), tl.float32)  # >= 0: the 1 in log(1 + sum) never overflows either
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    slope, offset = beta * 1.4426950408889634, beta * base * 1.4426950408889634  # (log2(e))
+    if SKIP_RANGE:
+        skip_begin = tl.load(range_ptr + 2 * tl.program_id(0)).to(tl.int32)
+        skip_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1).to(tl.int32)
+    if CHECK_IDS:
+        ids_shared = tl.load(shared_ids_ptr) != 0
+    begin, end = column_range(num_ref, cols_per_split, 1)
+    for start in range(begin, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        if SKIP_RANGE:
+            s = similarity_tile(x_ptr, ref_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                PRECISION)
+            # only a tile across the split's end or the skipped range needs its columns masked; the rest,
+            # nearly all, skip the comparisons
+            if (start + BLOCK_N > end) | ((start + BLOCK_N > skip_begin) & (start < skip_end)):
+                s = tl.where((col_ok & ((cols < skip_begin) | (cols >= skip_end)))[None, :], s, -float("inf"))
+            if CHECK_IDS:
+                if ids_shared:
+                    other_ids = tl.load(ref_ids_ptr + cols, mask=col_ok, other=-1)
+                    s = tl.where(id_i[:, None] != other_ids[None, :], s, -float("inf"))
+            negative = True  # (-inf marks the rest)
+        else:
+            s, _, negative = pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
+                                       cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
+        maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
+        # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
+        # (ex2.approx.ftz) a pair, where tl.exp takes a multiply and a fix-up for subnormals besides; terms
+        # below 2^-126 of the shift flush to 0. (beta > 0: -inf outside the mined negatives, adding nothing.)
+        new_shift = tl.maximum(shift, tl.max(mined, axis=1) * slope - offset)
+        total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(mined * slope - (new_shift + offset)[:, None]),
+                                                            axis=1)
+        shift = new_shift
+    split = tl.program_id(1)
+    tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
+    tl.store(part_ptr + (splits + split) * num_x + rows, shift * 0.6931471805599453, mask=row_ok)  # (ln(2): back to ln)
+    tl.store(part_ptr + (2 * splits + split) * num_x + rows, total, mask=row_ok)
+
+
+@triton.jit
+def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
+                  segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim,
+                  splits, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                  SEGMENTED: tl.constexpr, SKIP_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The splits combined in their order (maxneg, LN), with the positive range's own negatives where
+    the negatives kernel skipped it (SKIP_RANGE: their maxneg from minpos_kernel, their sum here);
+    then the positive sum over the positive range (the positives' mining needs the final maxneg);
+    stats [4, B] = (minpos, maxneg, LP, LN), loss."""
+    rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
+    label_i, id_i = load_keys(labels_ptr, ids_ptr, rows, row_ok)
+    maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    shift_n = tl.zeros((BLOCK_M,), tl.float32)
+    sum_n = tl.zeros((BLOCK_M,), tl.float32)
+    for k in range(0, splits):
+        maxneg = tl.maximum(maxneg, tl.load(part_ptr + k * num_x + rows, mask=row_ok, other=-float("inf")))
+        shift_k = tl.load(part_ptr + (splits + k) * num_x + rows, mask=row_ok, other=0.0)
+        total_k = tl.load(part_ptr + (2 * splits + k) * num_x + rows, mask=row_ok, other=0.0)
+        new_shift = tl.maximum(shift_n, shift_k)
+        sum_n = sum_n * tl.exp(shift_n - new_shift) + total_k * tl.exp(shift_k - new_shift)
+        shift_n = new_shift
+    minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
+    if SKIP_RANGE:
+        maxneg = tl.maximum(maxneg, tl.load(minpos_ptr + num_x + rows, mask=row_ok, other=-float("inf")))
+    # the final shifts: the exponents of the hardest mined pairs (shifts), never below the splits'
+    # shift (up to a few ulps of rounding), so the range's negatives are summed at a fixed shift, as the
+    # positives are
+    shift_p, shift = shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
+    sum_n *= tl.exp(shift_n - shift)
+    sum_p = tl.zeros((BLOCK_M,), tl.float32)
+    range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
+    for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
+        s, positive, negative = positive_range_tile(
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
+            label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        if SKIP_RANGE:
+            unused_s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
+            sum_n += tl.sum(tl.exp(beta * (mined - base) - shift[:, None]), axis=1)
+        if MINING:
+            positive = positive & (s - epsilon < maxneg[:, None])
+        sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
+    lp = shift_p + tl.log(tl.exp(-shift_p) + sum_p)
+    ln = shift + tl.log(tl.exp(-shift) + sum_n)
+    counts = anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE)
+    tl.store(loss_ptr + rows, tl.where(counts, lp / alpha + ln / beta, 0.0), mask=row_ok)
+    tl.store(stats_ptr + rows, minpos, mask=row_ok)
+    tl.store(stats_ptr + num_x + rows, maxneg, mask=row_ok)
+    tl.store(stats_ptr + 2 * num_x + rows, lp, mask=row_ok)
+    tl.store(stats_ptr + 3 * num_x + rows, ln, mask=row_ok)
+

@@ -1,0 +1,214 @@
+"""The Triton backend's operators and autograd: the custom ops, and the eager loss as one autograd node.
+
+- `triton_forward` / `triton_backward`: custom ops (torch.ops.ms_loss_cuda.triton_forward/_backward)
+  with the C++ ops' schema, fake kernels and autograd (ops.register_fused_op): what torch.compile,
+  torch.export and opcheck see. `fused_forward` is the differentiable forward built on them.
+- `eager_loss`: an eager call as one autograd node from the embeddings to the loss (`_EagerLoss`):
+  the normalisation (row_kernels), the forward's launches, the reduction, the finiteness check and
+  the cast, and, where a gradient will be taken, the backward's launches issued right behind the
+  forward's, so that the GPU works through them while the host returns.
+- `unit_rows`: the backend's normalisation alone, one launch each way (CrossBatchMemory and the
+  distributed loss normalise once per step).
+The fused backends give the first derivative only: differentiating a gradient again raises.
+"""
+import functools
+from typing import Optional
+
+import torch
+
+from .. import ops
+from ..common import check_inputs, nan_if_nonfinite, reduce_losses
+from .backward import Reorder, backward_plan
+from .forward import forward_plan, forward_plan_keeping_rows
+from .launcher import run
+from .operands import SAVED_ROWS
+from .row_kernels import scaled_rows_plan, unit_rows_grad_plan, unit_rows_plan
+
+
+# ---- the ops ----------------------------------------------------------------------------------
+def _forward(x: torch.Tensor, labels: torch.Tensor, ids: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+             ref_labels: Optional[torch.Tensor], ref_ids: Optional[torch.Tensor], alpha: float, beta: float,
+             base: float, epsilon: float, mining: bool,
+             skip_incomplete_anchors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # the public API's checks, again for direct calls of the op: a wrong length would read out of
+    # bounds, a tensor on another device hand the kernel a foreign pointer
+    check_inputs(x, labels, ref, ref_labels, ids, ref_ids)
+    return run(forward_plan, x.device, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
+               skip_incomplete_anchors)
+
+
+def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, labels: torch.Tensor,
+              ids: Optional[torch.Tensor], ref: Optional[torch.Tensor], ref_labels: Optional[torch.Tensor],
+              ref_ids: Optional[torch.Tensor], alpha: float, beta: float, base: float, epsilon: float,
+              mining: bool, skip_incomplete_anchors: bool,
+              ref_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    check_inputs(x, labels, ref, ref_labels, ids, ref_ids)  # (a direct call of the op; see _forward)
+    return backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base,
+                                      epsilon, mining, skip_incomplete_anchors, ref_grad)
+
+
+def backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
+                               mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1, float32=False,
+                               rows_in_label_order=None):
+    """The backward op's work, for inputs that were checked: the forward's (and the eager loss's,
+    whose "mean" divides by grad_divisor, without normalisation; `float32`: see `_unpadded`;
+    `rows_in_label_order`: see backward_plan)."""
+    ref_grad = ref is not None and ref_grad
+    grad_x, grad_ref = run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
+                           alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
+                           grad_divisor=grad_divisor, float32=float32, rows_in_label_order=rows_in_label_order)
+    return _unpadded(grad_x, x, float32), (_unpadded(grad_ref, ref, float32) if ref_grad else grad_ref)
+
+
+def _unpadded(grad, like, float32=False):
+    """A gradient of backward_plan as the input `like` is: split partials summed in order, its width and
+    dtype (mixed dtypes ran promoted); `float32`: its float32 rows as they are (a view, no copy)."""
+    grad = _summed(grad)[:, :like.shape[1]]
+    return grad if float32 else grad.to(like.dtype).contiguous()
+
+
+def _summed(grad):
+    """A gradient of backward_plan, its split partials [splits, rows, D] summed in order."""
+    return grad.sum(0) if grad.dim() == 3 else grad
+
+
+def _backward_plan_in_label_order(*args, **kwargs):
+    """backward_plan's, but the self case's chunked backward leaves dx in label order, without its last
+    step (`Reorder`), and gives the order too (else None): the normalisation's backward reads the
+    rows in that order (`unit_rows_grad_plan`), which saves the reordered copy and its cast."""
+    grad_x, grad_ref, launches = backward_plan(*args, **kwargs)
+    if launches and isinstance(launches[-1], Reorder):
+        reorder = launches.pop()
+        return reorder.grad, grad_ref, reorder.order, launches
+    return grad_x, grad_ref, None, launches
+
+
+# ---- the eager path ----------------------------------------------------------------------------
+class _UnitRows(torch.autograd.Function):
+    """ms_loss_cuda.common.unit_rows (F.normalize in the rows' own dtype) in one launch each way, for
+    the triton backend's eager calls: torch's ops take four launches forward and ten backward, and
+    pass over [B, D] (or a memory bank's [R, D]) several times more. No second derivative, as the
+    fused loss has none: differentiating the gradient again raises."""
+
+    @staticmethod
+    def forward(ctx, t):
+        y, norm, _ = run(unit_rows_plan, t.device, t.contiguous())
+        ctx.save_for_backward(t, y, norm)  # (t: what a second derivative would be taken against)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, y, norm = ctx.saved_tensors
+        (dt,) = run(unit_rows_grad_plan, y.device, grad.contiguous(), y, norm)
+        return ops.first_derivative_only((t,), dt)[0]
+
+
+unit_rows = _UnitRows.apply
+
+
+def _float32_one(device):
+    """A float32 1 on `device` (the eager loss's gradient for grad_output 1), made once: no op a step;
+    within a CUDA graph's capture a new one (the graph's own memory is not kept beyond it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return _kept_float32_one(device)
+
+
+@functools.cache
+def _kept_float32_one(device):
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    if device.type == "cuda":  # (filled on this call's stream: once, wait for it, before other streams read it)
+        torch.cuda.synchronize(device)
+    return one
+
+
+class _EagerLoss(torch.autograd.Function):
+    """multi_similarity_loss on the triton backend in eager calls, one autograd node from the embeddings
+    to the loss: normalisation, the forward's launches, the reduction, the finiteness check and the
+    cast, where the loss op and torch's ops would make five nodes and more small ops (each is host
+    time on a GPU, the most of an eager step: bench/host_time.py). "mean" and "sum" reach the scales kernel
+    as one gradient for all anchors (backward_plan's grad_divisor: no ops to expand, cast and divide
+    it, none for its norm), and the normalisation's backward is one launch an input.
+    `gradients_now` ("mean" and "sum" under grad mode, an input taking a gradient): the forward also
+    issues the backward's launches, for grad_output 1, and keeps their float32 gradients; the
+    backward only multiplies them by grad_output. The GPU then runs the backward's kernels while the
+    host is still returning from the forward and in the autograd engine, instead of waiting for the
+    host to issue them. The gradient stays float32 until the backward scales it
+    (in 16 bits a "mean" gradient's entries of about 1/B would go subnormal before a loss scaler
+    lifts them). A forward whose gradient is never taken pays for it, as in Liger-Kernel's fused
+    linear cross entropy. "none" takes its backward in the backward.
+    Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating the
+    gradient again raises, as for every fused backend."""
+
+    @staticmethod
+    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype,
+                gradients_now):
+        a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
+        b, b_norm, b_finite = ref, None, None
+        if normalize and ref is not None:
+            b, b_norm, b_finite = run(unit_rows_plan, x.device, ref.contiguous())
+        losses, stats, rows_in_label_order = run(forward_plan_keeping_rows, x.device, a, labels, ids, b, ref_labels,
+                                                 ref_ids, *hyper_parameters)
+        saved = (x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
+        ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
+        if gradients_now:
+            ones = _float32_one(x.device).expand(a.shape[0])
+            ctx.save_for_backward(x, ref, *_EagerLoss.gradients(ctx, saved, ones, True, rows_in_label_order))
+        else:
+            ctx.save_for_backward(*saved)
+        loss = reduce_losses(losses, reduction)
+        if not normalize:
+            return nan_if_nonfinite(loss, x, ref).to(dtype)
+        for finite in (a_finite, b_finite):  # (NaN from a row with a NaN or an infinity, as nan_if_nonfinite)
+            loss = loss if finite is None else torch.add(loss, finite.sum())
+        return loss.to(dtype)
+
+    @staticmethod
+    def gradients(ctx, saved, grad_loss, float32=False, rows_in_label_order=None):
+        """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where the input takes
+        no gradient; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan)."""
+        x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = saved
+        batch, ref_grad = a.shape[0], ref is not None and ctx.needs_input_grad[1]
+        divisor = batch if ctx.reduction == "mean" and batch else 1
+        args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad)
+        options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order)
+        if a_norm is None:
+            da, db = backward_of_checked_inputs(*args, **options)
+        else:  # then the normalisation's backward, from the loss's float32 gradients where they are
+            da, db, order = run(_backward_plan_in_label_order, x.device, *args, **options)
+            dtype = torch.float32 if float32 else None
+            da = run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order, dtype)[0] \
+                if ctx.needs_input_grad[0] else None
+            db = run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm, None, dtype)[0] if ref_grad else None
+        return da if ctx.needs_input_grad[0] else None, db if ref_grad else None
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
+            x, ref, da, db = ctx.saved_tensors
+            da, db = (None if g is None else run(scaled_rows_plan, t.device, g, grad.detach(), t.dtype)[0]
+                      for g, t in ((da, x), (db, ref)))
+        else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
+            saved = ctx.saved_tensors
+            x, ref = saved[:2]
+            da, db = _EagerLoss.gradients(ctx, saved, grad)
+        return ops.first_derivative_only((x, ref), da, db) + (None,) * 9
+
+
+def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
+    """multi_similarity_loss's result (reduced, in `dtype`) through `_EagerLoss`, for inputs it checked and
+    keys ranked as for the ops (backend.py)."""
+    gradients_now = reduction != "none" and torch.is_grad_enabled() and (
+        x.requires_grad or (ref is not None and ref.requires_grad))
+    return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids, tuple(hyper_parameters), normalize, reduction,
+                            dtype, gradients_now)
+
+
+# ---- registration ------------------------------------------------------------------------------
+# the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward the loss calls
+triton_forward = torch.library.custom_op("ms_loss_cuda::triton_forward", _forward, mutates_args=())
+triton_backward = torch.library.custom_op("ms_loss_cuda::triton_backward", _backward, mutates_args=())
+fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", _forward,
+                                      backward_of_checked_inputs,
+                                      saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)
+

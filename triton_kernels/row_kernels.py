@@ -1,0 +1,227 @@
+"""Row kernels (one pass over [rows, D]) and the label order's kernel, with their launch plans.
+
+- `unit_rows_kernel` / `unit_rows_grad_kernel`: the normalisation of an eager triton call (F.normalize
+  in the rows' own dtype, the norm in float32) and its backward, one launch each way; the forward
+  also flags rows that hold a NaN or an infinity, so that the loss turns NaN without reading them
+  again.
+- `unlifted_rows_kernel`: the rows of x divided by their lifts, for the chunked backward's triangle.
+- `scaled_rows_kernel`: a float32 gradient times grad_output, rounded once into the input dtype.
+- `label_order_kernel`: everything the self case's label order needs after torch sorts the labels
+  (operands.label_order): the stable order of all keys (rows of up to operands.ONE_KERNEL_SORT
+  keys, each sorted by torch in one kernel, merged here by binary search), each key's rank, each
+  block's positive range, and the label-ordered copies of the rows and identities.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..common import squares_dtype
+from .launcher import Launch, cdiv, pow2_at_least_16
+
+
+@triton.jit
+def _row_block(t_ptr, rows, k, num_rows, dim, stride, BLOCK_D: tl.constexpr):
+    """Columns k .. k + BLOCK_D of `rows` of a [num_rows, dim] tensor with rows `stride` elements apart,
+    as float32 (0 outside)."""
+    ks = k + tl.arange(0, BLOCK_D)
+    at = rows[:, None].to(tl.int64) * stride + ks[None, :]
+    ok = (rows < num_rows)[:, None] & (ks < dim)[None, :]
+    return tl.load(t_ptr + at, mask=ok, other=0.0).to(tl.float32), at, ok
+
+
+@triton.jit
+def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUMS: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): ms_loss_cuda.common.unit_rows
+    in one launch where torch's ops take four (the norm, its clamp and cast, the division). WIDE_SUMS (float32
+    and bfloat16 rows): the squares summed in float64, as there (float32's overflow from 1.8e19 on).
+    finite: 0 for a row of finite values, NaN for one with a NaN or an infinity (the sum of t * 0),
+    which the eager loss adds to its result instead of reading t again."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    squares = tl.zeros((BLOCK_R,), tl.float32)
+    finite = tl.zeros((BLOCK_R,), tl.float32)
+    if WIDE_SUMS:
+        squares = squares.to(tl.float64)
+    for k in range(0, dim, BLOCK_D):
+        t, _, _ = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        finite += tl.sum(t * 0.0, axis=1)
+        if WIDE_SUMS:
+            t = t.to(tl.float64)
+        squares += tl.sum(t * t, axis=1)
+    if WIDE_SUMS:
+        norm = tl.sqrt(squares).to(tl.float32)  # (float64's square root is rounded correctly)
+    else:
+        norm = tl.sqrt_rn(squares)
+    norm = tl.maximum(norm, 1e-12)
+    tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
+    tl.store(finite_ptr + rows, finite, mask=rows < num_rows)
+    for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
+        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        tl.store(y_ptr + at, tl.div_rn(t, norm[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def unlifted_rows_kernel(t_ptr, lift_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y = t / lift row by row, in t's dtype: the triangle's rows of x for both of its products (see
+    backward_plan), in one pass where torch's division of 16-bit rows by float32 lifts takes several.
+    The lifts are powers of 2 up to backward_plan.TRIANGLE_LIFT, so that is exact but where float16
+    values fall below its normal range (|x| < 2^-7 at 2^7): unit rows hardly lose anything, rows of
+    small norm do (bench/triangle_precision.py, bench/results/cpu/triangle-precision.txt)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    lift = tl.load(lift_ptr + rows, mask=rows < num_rows, other=1.0)
+    for k in range(0, dim, BLOCK_D):
+        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        tl.store(y_ptr + at, tl.div_rn(t, lift[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def scaled_rows_kernel(g_ptr, g_stride, scale_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """y = g * scale (one value, any float dtype) in y's dtype, rows of g g_stride elements apart: the
+    eager loss's float32 gradient for grad_output 1 times the grad_output, in one pass where torch's
+    mul into another dtype takes two."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    for k in range(0, dim, BLOCK_D):
+        g, _, ok = _row_block(g_ptr, rows, k, num_rows, dim, g_stride, BLOCK_D)
+        at = rows[:, None].to(tl.int64) * dim + (k + tl.arange(0, BLOCK_D))[None, :]
+        tl.store(y_ptr + at, (g * scale).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _grad_block(g_ptr, g_stride, at_g, rows, k, num_rows, dim, ORDERED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """unit_rows_grad_kernel's block of g: rows at_g, g_stride apart (ORDERED), else the rows of y."""
+    if ORDERED:
+        g, _, _ = _row_block(g_ptr, at_g, k, num_rows, dim, g_stride, BLOCK_D)
+    else:
+        g, _, _ = _row_block(g_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+    return g
+
+
+@triton.jit
+def unit_rows_grad_kernel(g_ptr, g_stride, y_ptr, norm_ptr, dt_ptr, order_ptr, num_rows, dim, ORDERED: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dt = (g - y (g . y)) / |t| row by row (g / 1e-12 where the norm was clamped, as torch's): one
+    launch where torch's ops (ms_loss_cuda.common.unit_rows's backward) take ten. g: of any float
+    dtype, contiguous rows; ORDERED: row p of g (g_stride elements apart: the chunked backward's
+    padded float32 rows, where it left them) belongs to row order[p] of y, norm and dt (the self
+    case's label order). (Contiguous g shares y's offsets: a stride of its own would spill.)"""
+    at_g = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = at_g
+    if ORDERED:
+        rows = tl.load(order_ptr + at_g, mask=at_g < num_rows, other=num_rows)
+    along = tl.zeros((BLOCK_R,), tl.float32)
+    for k in range(0, dim, BLOCK_D):
+        g = _grad_block(g_ptr, g_stride, at_g, rows, k, num_rows, dim, ORDERED, BLOCK_D)
+        y, _, _ = _row_block(y_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        along += tl.sum(g * y, axis=1)
+    norm = tl.load(norm_ptr + rows, mask=rows < num_rows, other=1.0)
+    along = tl.where(norm > 1e-12, along, 0.0)
+    for k in range(0, dim, BLOCK_D):
+        g = _grad_block(g_ptr, g_stride, at_g, rows, k, num_rows, dim, ORDERED, BLOCK_D)
+        y, at, ok = _row_block(y_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        tl.store(dt_ptr + at, tl.div_rn(g - y * along[:, None], norm[:, None]).to(dt_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _search(sorted_ptr, key, num, steps, ok, RIGHT: tl.constexpr):
+    """Where `key` goes in sorted_ptr[:num] (steps >= num.bit_length() halvings): before its equals, or
+    after them (RIGHT), as torch.searchsorted."""
+    lo = tl.zeros_like(key).to(tl.int32)
+    hi = lo + num
+    for _ in range(steps):
+        active = ok & (lo < hi)
+        mid = (lo + hi) // 2
+        value = tl.load(sorted_ptr + mid, mask=active, other=0)
+        if RIGHT:
+            after = value <= key
+        else:
+            after = value < key
+        lo = tl.where(active & after, mid + 1, lo)
+        hi = tl.where(active & ~after, mid, hi)
+    return lo
+
+
+@triton.jit
+def label_order_kernel(sorted_ptr, order_ptr, saved_ptr, ranks_ptr, range_ptr, rows_ptr, ordered_ptr, ids_ptr,
+                       ordered_ids_ptr, num, segment, segments, steps, block_m, dim, ROWS: tl.constexpr,
+                       IDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`label_order` after its sort, in one launch where torch's ops took six. The sort: `segments` rows
+    of `segment` keys, each sorted stably on its own (sorted keys, each one's int64 index in its row;
+    the last row's slots from num on are padding, sorted last). Each key's position p in the stable
+    order of all num keys: its place in its row, plus the keys before it in each other row (in rows
+    before its own, those equal to it too), by binary search: a merge of the rows. Then saved[0, p]
+    = its index in the caller's order (order), saved[1, p] = the first position of its key (the
+    keys below it in all rows), ranks[order] = that too (each key's rank, in the caller's order);
+    ranges[k] = (the first position of block k's first key, one past the last of its last key's) for
+    blocks of block_m positions; ROWS: ordered[p] = rows[order] (contiguous [num, dim]); IDS:
+    ordered_ids[p] = ids[order]."""
+    slot = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = slot < num  # (the padding takes the last row's last slots)
+    row = slot // segment
+    key = tl.load(sorted_ptr + slot, mask=ok, other=0)
+    p, first, end = slot % segment, tl.zeros_like(slot), tl.zeros_like(slot)
+    for other in range(0, segments):
+        length = tl.minimum(segment, num - other * segment)
+        below = _search(sorted_ptr + other * segment, key, length, steps, ok, False)
+        upto = _search(sorted_ptr + other * segment, key, length, steps, ok, True)
+        first += below
+        end += upto
+        p += tl.where(other < row, upto, tl.where(other > row, below, 0))
+    order = (row * segment + tl.load(order_ptr + slot, mask=ok, other=0)).to(tl.int32)
+    tl.store(saved_ptr + p, order, mask=ok)
+    tl.store(saved_ptr + num + p, first, mask=ok)
+    tl.store(ranks_ptr + order, first, mask=ok)
+    block, at = p // block_m, p % block_m
+    tl.store(range_ptr + 2 * block, first, mask=ok & (at == 0))
+    tl.store(range_ptr + 2 * block + 1, end, mask=ok & ((at == block_m - 1) | (p == num - 1)))
+    if IDS:
+        tl.store(ordered_ids_ptr + p, tl.load(ids_ptr + order, mask=ok), mask=ok)
+    if ROWS:
+        for k in range(0, dim, BLOCK_D):
+            ks = k + tl.arange(0, BLOCK_D)
+            column_ok = ok[:, None] & (ks < dim)[None, :]
+            row_values = tl.load(rows_ptr + order[:, None].to(tl.int64) * dim + ks[None, :], mask=column_ok)
+            tl.store(ordered_ptr + p[:, None].to(tl.int64) * dim + ks[None, :], row_values, mask=column_ok)
+
+
+# ---- launch plans ------------------------------------------------------------------------------
+def rows_launch(kernel, shape, constexprs, **tensors):
+    """A launch of one of the row kernels over a contiguous [rows, D] tensor: blocks of 2048 elements
+    (at most 512 columns), 16 a thread."""
+    block_d = min(pow2_at_least_16(shape[1]), 512)
+    return Launch(kernel, (cdiv(shape[0], 2048 // block_d),), dict(tensors, num_rows=shape[0], dim=shape[1]),
+                  dict(constexprs, BLOCK_R=2048 // block_d, BLOCK_D=block_d), 4, 1)
+
+
+def unit_rows_plan(t):
+    """(y, the clamped norms, finite, launches): rows of a contiguous `t` scaled to unit L2 norm; finite
+    (float32) 0 for each row of finite values, NaN for each other one."""
+    y, norm, finite = torch.empty_like(t), *t.new_empty((2, t.shape[0]), dtype=torch.float32)
+    return y, norm, finite, [rows_launch(unit_rows_kernel, t.shape,
+                                         dict(WIDE_SUMS=squares_dtype(t.dtype) == torch.float64),
+                                         t_ptr=t, y_ptr=y, norm_ptr=norm, finite_ptr=finite)]
+
+
+def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
+    """(dt, launches): the gradient of unit_rows_plan's y (contiguous), from the first D columns of
+    `grad` (rows of any float dtype; with `order`, row p of grad is row order[p] of y, read where it
+    is, else copied to contiguous rows where they are not); dt in `dtype` (None: y's)."""
+    if order is None:
+        grad = grad[:, :y.shape[1]].contiguous()
+    assert grad.stride(1) == 1, "the kernel reads grad's rows as contiguous"
+    dt = torch.empty_like(y, dtype=dtype)
+    return dt, [rows_launch(unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
+                            g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
+                            order_ptr=norm if order is None else order)]  # (unordered: never read)
+
+
+def scaled_rows_plan(g, scale, dtype):
+    """(y, launches): g (float32 rows, the columns contiguous) times `scale` (a one-element tensor of
+    any float dtype on g's device), as torch.mul computes it in float32, rounded once into `dtype`
+    (contiguous rows)."""
+    assert g.dim() == 2 and g.stride(1) == 1 and scale.numel() == 1, "rows of contiguous columns, one scale"
+    y = torch.empty(g.shape, dtype=dtype, device=g.device)
+    return y, [rows_launch(scaled_rows_kernel, g.shape, {}, g_ptr=g, g_stride=g.stride(0), scale_ptr=scale,
+                           y_ptr=y)]
+
