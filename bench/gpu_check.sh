@@ -100,7 +100,7 @@ for step in $STEPS; do
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \
-        --kernel-name regex:"_minpos_kernel|_negatives_kernel|_finish_kernel|_grad_kernel|_weights_kernel|forward_kernel|backward_kernel" \
+        --kernel-name regex:"minpos_kernel|negatives_kernel|finish_kernel|grad_kernel|weights_kernel|forward_kernel|backward_kernel" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section SchedulerStats --section WarpStateStats $PY -c "
 import torch, ms_loss_cuda

@@ -74,10 +74,10 @@ def cpu_stand_in(launches):
     out; the self case's label order zeroed (one op)."""
     import torch
 
-    from ms_loss_cuda.triton_kernels import backward, launcher, row_kernels
+    from ms_loss_cuda.triton_kernels import BACKEND, backward, launcher, row_kernels
 
     torch.set_num_threads(1)  # the host's work is one thread's
-    launcher.INTERPRETED = True  # (read by the backend's device check only)
+    BACKEND.unavailable_reason = lambda device, dtype=None: None  # (CPU tensors, without the interpreter)
     # no products either: on CPU they would compute, on the launches' unwritten (garbage, often
     # subnormal) weights, where a GPU's host only issues two ops
     backward.Product.__call__ = lambda product: None

@@ -1,10 +1,9 @@
 """Registers, spills and SASS instruction counts of the Triton kernels as the dispatcher launches
 them, compiled ahead of time (no GPU needed: Triton's own ptxas and nvdisasm), with the shipped
-tiles or others. The numbers the README gives for Triton 3.6 (the GPU machines' version) come from
-this script run with 3.6 on the path; tests/triton_aot.py checks every launch for spills with the
-Triton the project pins.
-    python bench/kernel_resources.py [--cc 90] [--dtype float16] [--rows 4096] [--kernels _negatives _weights]
-    python bench/kernel_resources.py --cc 75 --kernels _minpos _negatives _finish _grad  (T4: why Triton needs 8.0)
+tiles or others. Run it with the Triton of the GPU machines on the path to see what they compile;
+tests/triton_aot.py checks every launch for spills with the Triton the project pins.
+    python bench/kernel_resources.py [--cc 90] [--dtype float16] [--rows 4096] [--kernels negatives weights]
+    python bench/kernel_resources.py --cc 75 --kernels minpos negatives finish grad  (T4: why Triton needs 8.0)
                                      [--tiles 128,64,64,8,3 ...]
 --rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
 divisibility hint on the row and column ends, and can change registers and spills).
@@ -24,7 +23,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import triton_aot  # noqa: E402  (the dispatcher's launches and Triton's launch-time specialisation)
 
-# the tests' targets, and the T4 (below Triton's supported 8.0; the triton backend refuses it: README)
+# the tests' targets, and the T4 (below Triton's supported 8.0; the triton backend refuses it)
 ARCHITECTURES = {**triton_aot.TARGETS, 75: "sm_75"}
 
 
@@ -53,7 +52,7 @@ def main():
     parser.add_argument("--dtype", default="float16", choices=triton_aot.DTYPES)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--rows", type=int, default=triton_aot.ROWS)
-    parser.add_argument("--kernels", nargs="+", default=["_negatives", "_minpos", "_finish", "_weights", "_grad"],
+    parser.add_argument("--kernels", nargs="+", default=["negatives", "minpos", "finish", "weights", "grad"],
                         help="name prefixes")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages, each besides the shipped tiles")
