@@ -50,8 +50,10 @@ bench: build
 train-demo: build
 	$(PY) -m ms_loss_cuda.train --steps 400 --batch-size 256 --eval-every 100 --out runs/train-demo
 
+# The kanji experiment with the MS paper's protocol (every setting the same steps; about 70 minutes on
+# 2 cores); bench/kanji_experiment.py --protocol equal-images runs the equal-images comparison.
 experiment: build
-	$(PY) bench/kanji_experiment.py --out bench/results/experiment
+	$(PY) bench/kanji_experiment.py --out bench/results/experiment/fixed-steps
 
 # Builds into the python3 on PATH (a CUDA build of torch, triton and nvcc), not into .venv.
 gpu-check:

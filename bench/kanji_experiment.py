@@ -1,13 +1,23 @@
-"""Does a bigger batch (or a memory) help at an equal number of images seen? The kanji experiment:
-SOP's protocol on KanjiVG drawings (train on half of the 6,703 characters, retrieve among the
-unseen other half: 3,352 classes, 16,760 drawings), one run of the training command per setting.
+"""What larger batches and memories buy: the kanji experiment, one run of the training command per setting.
 
-Settings (`--images` images each, the same optimizer, learning rate and cosine schedule):
-batch 64, batch 512, batch 4096 (embedding-gradient caching, chunks of 512) and batch 256 with a
-cross-batch memory of 16,384 (used after the first 10% of the steps). Writes results.json,
-results.md (the table) and recall.png (Recall@1 against images seen) under --out.
+The data is SOP's protocol on KanjiVG drawings: train on half of the 6,703 characters, retrieve among
+the unseen other half (3,352 classes, 16,760 drawings). Every run is the built-in convnet (128-d
+embedding), Adam at 1e-3 with a cosine schedule, M = 4 samples per class; Recall@1, Recall@10 and
+MAP@R are measured on the unseen classes.
 
-    python bench/kanji_experiment.py --out bench/results/experiment     # make experiment
+Two protocols:
+- fixed-steps (the MS paper's, its supplementary Table 2): every setting trains the same number of
+  steps with the same schedule, so a larger batch sees more images. Batches of 32 to 2048 (8192 with
+  --with-8192, through gradient caching), and batch 128 with cross-batch memories of 4096 and 16384
+  (used after the first tenth of the steps); each setting with every seed of --seeds.
+- equal-images: every setting sees the same number of images (--images), so a larger batch makes
+  fewer updates: how to spend a fixed budget of compute.
+Writes results.json, results.md (the tables) and recall.png under --out; experiment_report.py makes
+the tables and the plot. --device cuda runs the GPU version (larger batches and memories, and the
+loss alone timed against pytorch-metric-learning and torch.compile at each size: experiment_gpu.py).
+
+    python bench/kanji_experiment.py --out bench/results/experiment/fixed-steps        # make experiment
+    python bench/kanji_experiment.py --protocol equal-images --out bench/results/experiment/equal-images
 """
 import argparse
 import json
@@ -17,78 +27,103 @@ import subprocess
 import sys
 import time
 
-SETTINGS = {  # name: training command arguments
-    "batch 64": ["--batch-size", "64"],
-    "batch 512": ["--batch-size", "512"],
-    "batch 4096 (chunks of 512)": ["--batch-size", "4096", "--chunk-size", "512"],
-    "batch 256 + memory 16384": ["--batch-size", "256", "--memory-size", "16384"],
+from experiment_report import write_report
+
+# name: (batch, training command arguments); fixed-steps on CPU, sized to finish within 90 minutes on 2 cores
+FIXED_STEPS = {
+    "batch 32": (32, []),
+    "batch 128": (128, []),
+    "batch 512": (512, []),
+    "batch 2048": (2048, []),
+    "batch 128 + memory 4096": (128, ["--memory-size", "4096"]),
+    "batch 128 + memory 16384": (128, ["--memory-size", "16384"]),
 }
+BATCH_8192 = {"batch 8192 (chunks of 1024)": (8192, ["--chunk-size", "1024"])}
+EQUAL_IMAGES = {
+    "batch 64": (64, []),
+    "batch 512": (512, []),
+    "batch 4096 (chunks of 512)": (4096, ["--chunk-size", "512"]),
+    "batch 256 + memory 16384": (256, ["--memory-size", "16384"]),
+}
+
+
+def run_setting(name, batch, extra, steps, seed, args):
+    """One run of the training command; its metrics history."""
+    run_dir = os.path.join(args.out, "runs", f"{name.split(' (')[0].replace(' + ', '_').replace(' ', '_')}-seed{seed}")
+    command = [sys.executable, "-m", "ms_loss_cuda.train", "--data", "kanji", "--root", args.data,
+               "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed), "--out", run_dir,
+               "--eval-every", str(max(1, steps // args.evaluations)) if args.evaluations else "0",
+               "--no-progress", "--device", args.device, *extra, *args.extra]
+    if "--memory-size" in extra:
+        command += ["--memory-warmup", str(steps // 10)]
+    print(f"== {name}, seed {seed}: {steps} steps\n   {' '.join(command)}", flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    with open(os.path.join(run_dir, "metrics.json")) as handle:
+        history = json.load(handle)
+    return {"batch": batch, "steps": steps, "seed": seed, "wall_seconds": round(time.perf_counter() - started, 1),
+            "history": history}
+
+
+def machine_info(device):
+    import torch
+
+    info = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "device": device,
+            "date": time.strftime("%Y-%m-%d")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    info["build"] = (commit or "unknown") + (" + uncommitted changes" if dirty else "")
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench/results/experiment")
-    parser.add_argument("--images", type=int, default=307200, help="images seen by every setting")
-    parser.add_argument("--evaluations", type=int, default=4, help="evaluations after the untrained one")
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--protocol", choices=("fixed-steps", "equal-images"), default="fixed-steps")
+    parser.add_argument("--out", default="bench/results/experiment/fixed-steps")
+    parser.add_argument("--data", default="bench/results/experiment/data", help="the kanji render cache")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--steps", type=int, default=300, help="fixed-steps: the steps of every setting")
+    parser.add_argument("--images", type=int, default=307200, help="equal-images: the images of every setting")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--evaluations", type=int, default=0,
+                        help="evaluations besides the untrained and the final one (0: none)")
+    parser.add_argument("--with-8192", action="store_true", help="fixed-steps: also batch 8192 (gradient caching)")
+    parser.add_argument("--settings", nargs="+", help="run only these settings (names as in the table)")
+    parser.add_argument("--report", metavar="RESULTS_JSON", help="only remake the tables and plot of a finished run")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more training command arguments")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as handle:
+            done = json.load(handle)
+        return print(write_report(done["info"], done["runs"], os.path.dirname(os.path.abspath(args.report))))
+    if args.device == "cuda":
+        from experiment_gpu import main as gpu_main
+
+        return gpu_main(args)
+    settings = dict(FIXED_STEPS, **(BATCH_8192 if args.with_8192 else {})) if args.protocol == "fixed-steps" \
+        else EQUAL_IMAGES
+    if args.settings:
+        unknown = sorted(set(args.settings) - set(settings))
+        if unknown:
+            parser.error(f"unknown settings {unknown}; choose from {list(settings)}")
+        settings = {name: settings[name] for name in args.settings}
     os.makedirs(args.out, exist_ok=True)
-    results = {}
-    for name in args.settings:
-        batch = int(SETTINGS[name][SETTINGS[name].index("--batch-size") + 1])
-        steps = args.images // batch
-        run_dir = os.path.join(args.out, name.split(" (")[0].replace(" + ", "_").replace(" ", "_"))
-        command = [sys.executable, "-m", "ms_loss_cuda.train", "--data", "kanji", "--root",
-                   os.path.join(args.out, "data"), "--steps", str(steps),
-                   "--eval-every", str(max(1, steps // args.evaluations)), "--out", run_dir, "--no-progress",
-                   *SETTINGS[name], *args.extra]
-        if "--memory-size" in SETTINGS[name]:
-            command += ["--memory-warmup", str(steps // 10)]
-        print(f"== {name}: {steps} steps\n   {' '.join(command)}", flush=True)
-        started = time.perf_counter()
-        subprocess.run(command, check=True)
-        with open(os.path.join(run_dir, "metrics.json")) as handle:
-            results[name] = {"steps": steps, "wall_seconds": round(time.perf_counter() - started, 1),
-                             "history": json.load(handle)}
-    import torch
-
-    info = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "images": args.images,
-            "date": time.strftime("%Y-%m-%d")}
+    started = time.perf_counter()
+    runs = {}
+    for name, (batch, extra) in settings.items():
+        steps = args.steps if args.protocol == "fixed-steps" else args.images // batch
+        runs[name] = [run_setting(name, batch, extra, steps, seed, args) for seed in args.seeds]
+    info = dict(machine_info(args.device), protocol=args.protocol, wall_minutes=round((time.perf_counter() - started)
+                                                                                      / 60, 1))
+    info.update(steps=args.steps) if args.protocol == "fixed-steps" else info.update(images=args.images)
     with open(os.path.join(args.out, "results.json"), "w") as handle:
-        json.dump({"info": info, "results": results}, handle, indent=1)
-    lines = ["| setting | steps | Recall@1 | Recall@10 | Recall@100 | Recall@1000 | MAP@R | train s |",
-             "|---|---|---|---|---|---|---|---|"]
-    untrained = next(iter(results.values()))["history"][0]
-    lines.append("| untrained | 0 | " + " | ".join(f"{100 * untrained[k]:.2f}" for k in
-                                                   ("recall@1", "recall@10", "recall@100", "recall@1000", "map_at_r")) + " | - |")
-    for name, result in results.items():
-        last = result["history"][-1]
-        lines.append(f"| {name} | {result['steps']} | " + " | ".join(
-            f"{100 * last[k]:.2f}" for k in ("recall@1", "recall@10", "recall@100", "recall@1000", "map_at_r"))
-            + f" | {last['train_seconds']:.0f} |")
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, "results.md"), "w") as handle:
-        handle.write(f"{info}\n\n{table}\n")
-    print(table)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, result in results.items():
-        history = result["history"]
-        ax.plot([r["images_seen"] for r in history], [100 * r["recall@1"] for r in history], marker="o", label=name)
-    ax.set_xlabel("images seen")
-    ax.set_ylabel("Recall@1, unseen classes (%)")
-    ax.set_title(f"KanjiVG, SOP protocol, {info['cpus']} CPU cores")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "recall.png"), dpi=120)
+        json.dump({"info": info, "runs": runs}, handle, indent=1)
+    print(write_report(info, runs, args.out))
 
 
 if __name__ == "__main__":
