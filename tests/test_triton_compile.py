@@ -1,6 +1,6 @@
 """Static checks of the Triton kernels: every launch the dispatcher makes, compiled ahead of time
 for sm_80 (A100) and sm_90 (H100) without a GPU (tests/triton_aot.py), and for Blackwell, sm_100
-(B200) and sm_120 (RTX 50), at D = 512 in float16 and float32, uses tensor cores for 16-bit inputs,
+(B200) and sm_120 (RTX 50), at D = 512 in float16 and float32, uses tensor cores for every dtype,
 compiles without spills or a stack frame (bar a value of 8 bytes, see below) and fits the shared
 memory of every GPU of its targets."""
 import json
@@ -58,11 +58,10 @@ def test_every_kernel_compiles_for_both_targets(records):
                 kernels | (set() if dtype.endswith("-tf32") else rows)
 
 
-def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
-    products = [r for r in records if r["dtype"] != "float32"  # (the label order, finish, scales and row
-                # kernels have no product)
-                and not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "unlifted_rows",
-                                                "scaled_rows"))]
+def test_every_product_uses_tensor_cores(records):
+    products = [r for r in records  # (the label order, finish, scales and row kernels have no product)
+                if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "unlifted_rows",
+                                               "scaled_rows"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)
@@ -71,10 +70,11 @@ def test_16_bit_and_tf32_kernels_use_tensor_cores(records):
     missing = [describe(r) for r in products if not expected[r["cc"]](r)]
     assert not missing, ("no mma.sync (sm_80, sm_120) / wgmma.mma_async (sm_90) / tcgen05.mma (sm_100) in: "
                          + "; ".join(missing))
-    assert all(r["tf32"] for r in products if r["dtype"] == "float32-tf32")
-    ieee = [describe(r) for r in records
-            if r["dtype"] == "float32" and (r["tf32"] or r["wgmma"] or r["mma_sync"] or r["tcgen05"])]
-    assert not ieee, "float32 under precision 'highest' must not use TF32: " + "; ".join(ieee)
+    # float32: three TF32 products of split operands under precision "highest" (float32's accuracy),
+    # one under "high"
+    assert all(r["tf32"] and not r["tf32x3"] for r in products if r["dtype"] == "float32-tf32")
+    one_product = [describe(r) for r in products if r["dtype"] == "float32" and not (r["tf32"] and r["tf32x3"])]
+    assert not one_product, "float32 under precision 'highest' needs three TF32 products: " + "; ".join(one_product)
 
 
 def test_blackwell_gets_every_launch_of_hopper(records):

@@ -149,7 +149,8 @@ def compile_facts(job):
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
     return dict(config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
                 wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tcgen05="tcgen05.mma" in ptx,
-                tf32=".tf32" in ptx, shared=compiled.metadata.shared,
+                tf32=".tf32" in ptx, tf32x3="cvt.rna.tf32" in ptx,  # (the operands split into TF32 high and low parts)
+                shared=compiled.metadata.shared,
                 registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
                 spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
 

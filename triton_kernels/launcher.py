@@ -123,8 +123,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
       flops a byte: 128 at c = 1024, under half of what an H100's tensor cores need, so that
       product runs at about 1.4x its flops' time, still less than the S it saves; shorter chunks
       take whole rows.
-    float32 runs IEEE FMA products on small single-stage tiles, or TF32 tensor-core products where
-    torch's float32 matmul precision allows them (`float32_precision`; those tiles are not tuned).
+    float32 tiles run on TF32 tensor cores, three products a tile at torch's default float32 matmul
+    precision (`float32_precision`); those tiles are not tuned yet.
     The backward entry's CHUNK_BYTES picks the backward's form: 0, the fused grad_kernel; else the
     chunked form at that budget of pair weights (`chunk_budget`).
     Rows are padded to a multiple of 16 elements first (operands.plan_operands): unaligned rows
@@ -142,17 +142,18 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
                                     if dtype != torch.float32 and not interpret else {})
         config["RANGE_TILES"] = (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=config["BLOCK_K"], num_warps=4, num_stages=1)
                                  if interpret else
-                                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_warps=8,
-                                      num_stages=1))
+                                 dict(BLOCK_M=64, BLOCK_N=64 if dtype != torch.float32 else 32,
+                                      BLOCK_K=min(config["BLOCK_K"], 32), num_warps=8, num_stages=1))
         return config
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
-    elif dtype == torch.float32 and precision == "tf32":  # not tuned yet: 16-bit shapes, half the K depth
-        config = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3) if kind == "forward" else
-                  dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, BLOCK_D=512, num_warps=8, num_stages=2))
-    elif dtype == torch.float32:
-        config = (dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=1) if kind == "forward" else
-                  dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_D=512, num_warps=8, num_stages=1))
+    elif dtype == torch.float32:  # (TF32 tensor cores; not tuned yet: 16-bit shapes, half the K depth)
+        # the three products of "tf32x3" hold more operands: narrower column blocks on sm_80, and in the fused
+        # backward, beside its 512-wide accumulator, 16 columns, where 32 spill
+        config = (dict(BLOCK_M=128, BLOCK_N=64 if capability >= (9, 0) else 32, BLOCK_K=32, num_warps=8, num_stages=3)
+                  if kind == "forward" else
+                  dict(BLOCK_M=32, BLOCK_N=32 if precision == "tf32" else 16, BLOCK_K=32, BLOCK_D=512, num_warps=8,
+                       num_stages=2))
     elif kind == "forward":
         config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     else:
@@ -206,10 +207,12 @@ def chunk_budget(interpret=INTERPRETED):
 
 
 def float32_precision():
-    """How float32 products run, as torch.matmul's do: IEEE under torch.get_float32_matmul_precision()
-    "highest" (the default: within 1e-5 of float64), TF32 tensor cores under "high" or "medium"
-    (a 10-bit mantissa: about 1e-3 relative)."""
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    """How float32 tiles multiply, on tensor cores either way, with the accuracy torch.matmul's float32
+    products have: under torch.get_float32_matmul_precision() "highest" (the default) three TF32
+    products a tile, each operand split into a TF32 high part and the TF32 rest, hi hi + hi lo + lo hi
+    ("tf32x3": the error of a float32 product); under "high" or "medium" one TF32 product ("tf32": a
+    10-bit mantissa, about 1e-3 relative)."""
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def split_config(config):
