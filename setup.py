@@ -58,10 +58,18 @@ setup(
     ext_modules=[extension],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.9",
+    # The loss, the memory, the distributed loss, gradient caching and evaluation's Recall@K and
+    # MAP@R need torch alone (torchvision, for the training command's torchvision backbones, stays
+    # the user's choice: it must match their torch).
     install_requires=["torch>=2.4"],
-    extras_require={  # the loss needs torch alone; evaluation and the training command need more
+    extras_require={
+        # evaluation: faiss's exact k-NN search (numpy arrays) when installed; NMI's k-means and score
         "eval": ["numpy", "scikit-learn", "faiss-cpu"],
-        "train": ["numpy", "scikit-learn", "faiss-cpu", "pillow", "tqdm", "matplotlib", "kanjivg"],
+        # ms_loss_cuda.train: numpy (data, kanji), pillow (images, kanji drawings), matplotlib (the
+        # recall plot), tqdm (the progress bar) and kanjivg (the kanji strokes)
+        "train": ["numpy", "pillow", "tqdm", "matplotlib", "kanjivg"],
+        # the triton backend (ms_loss_cuda.triton_kernels); CUDA builds of torch bring a matching one
+        "triton": ["triton"],
     },
     entry_points={"console_scripts": ["ms-loss-train = ms_loss_cuda.train.__main__:main"]},
 )

@@ -5,8 +5,10 @@ Similarity is cosine (rows are L2-normalised first), as the loss uses. The k nea
 from faiss (`IndexFlatIP`, exact) when it is installed, else from chunked torch products and top-k:
 neither ever holds the N x N similarity matrix. Leave-one-out excludes each query's own row by index,
 never by value, so duplicates of a query still count.
+
+Recall@K, precision@1 and MAP@R need torch alone; faiss (faiss-cpu) and numpy, its array type, are
+imported only on the faiss path. NMI needs scikit-learn (`pip install "ms-loss-cuda[eval]"`).
 """
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,14 @@ def _faiss():
     except ImportError:
         return None
     return faiss
+
+
+def _float32_array(rows):
+    """A C-contiguous float32 numpy array of a CPU tensor, the input faiss takes (numpy is there
+    whenever faiss is: faiss depends on it)."""
+    import numpy as np
+
+    return np.ascontiguousarray(rows.numpy(), dtype=np.float32)
 
 
 def _checked(embeddings, labels, name):
@@ -39,10 +49,10 @@ def _searcher(gallery, use_faiss):
     if faiss is None:
         return lambda queries, k: torch.topk(queries @ gallery.T, k, dim=1)
     index = faiss.IndexFlatIP(gallery.shape[1])
-    index.add(np.ascontiguousarray(gallery.numpy(), dtype=np.float32))
+    index.add(_float32_array(gallery))
 
     def search(queries, k):
-        sims, ids = index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k)
+        sims, ids = index.search(_float32_array(queries), k)
         return torch.from_numpy(sims), torch.from_numpy(ids).long()
 
     return search
@@ -133,15 +143,18 @@ def nmi(embeddings, labels, *, seed=0):
     """Normalised mutual information between the labels and a k-means clustering (k = number of
     classes) of the normalised embeddings (faiss k-means with 5 restarts when installed, else
     scikit-learn's k-means++ with 3)."""
-    from sklearn.metrics import normalized_mutual_info_score
-
+    try:
+        from sklearn.metrics import normalized_mutual_info_score
+    except ImportError as error:
+        raise ImportError(f"nmi needs scikit-learn ({error}): pip install scikit-learn, or "
+                          f"pip install \"ms-loss-cuda[eval]\"") from error
     x, labels = _checked(embeddings, labels, "embeddings")
     classes = int(torch.unique(labels).numel())
     faiss = _faiss()
     if faiss is not None:
         kmeans = faiss.Kmeans(x.shape[1], classes, niter=20, nredo=5, seed=seed, verbose=False)
-        kmeans.train(np.ascontiguousarray(x.numpy(), dtype=np.float32))
-        assignment = kmeans.index.search(np.ascontiguousarray(x.numpy(), dtype=np.float32), 1)[1][:, 0]
+        kmeans.train(_float32_array(x))
+        assignment = kmeans.index.search(_float32_array(x), 1)[1][:, 0]
     else:
         from sklearn.cluster import KMeans
 

@@ -1,5 +1,8 @@
-"""Retrieval metrics: hand-computed cases, faiss against torch, and pytorch-metric-learning's
-AccuracyCalculator."""
+"""Retrieval metrics: hand-computed cases, faiss against torch, pytorch-metric-learning's
+AccuracyCalculator, and the metrics with torch alone (no numpy, faiss or scikit-learn)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,3 +94,29 @@ def test_bad_input():
         evaluation.recall_at_k(x, labels[:5], ks=(1,))
     with pytest.raises(ValueError, match="gallery D"):
         evaluation.recall_at_k(x, labels, ks=(1,), gallery=torch.randn(5, 3), gallery_labels=torch.arange(5))
+
+
+def test_recall_and_map_need_torch_alone():
+    """With numpy, faiss and scikit-learn unimportable the module imports and Recall@K and MAP@R give
+    the hand-computed values of test_hand_computed_recall_and_map."""
+    code = """
+import sys
+for name in ("numpy", "faiss", "sklearn", "scipy"):
+    sys.modules[name] = None  # import of any of them raises ImportError
+import torch
+from ms_loss_cuda import evaluation
+angles = torch.tensor([0.0, 0.1, 0.3, 3.0, 3.1])
+x = torch.stack([angles.cos(), angles.sin()], dim=1)
+results = evaluation.evaluate(x, torch.tensor([0, 0, 1, 1, 1]), ks=(1, 3))
+print(results["recall@1"], results["recall@3"], results["map_at_r"])
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert [float(v) for v in run.stdout.split()] == pytest.approx([4 / 5, 1.0, 4 / 5])
+
+
+def test_nmi_without_scikit_learn_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.metrics", None)
+    with pytest.raises(ImportError, match=r"nmi needs scikit-learn .*pip install scikit-learn"):
+        evaluation.nmi(torch.randn(6, 3), torch.arange(6) % 2)

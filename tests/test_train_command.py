@@ -1,20 +1,23 @@
 """The training command end to end on small data: outputs, resume, features, memory with gradient
-caching, and two processes (gloo) against one."""
+caching, and two processes (gloo) against one; its help, its checks of --ks against the test set,
+and its refusal of a checkpoint that is not plain data."""
 import importlib.metadata
 import json
 import os
+import pathlib
 import socket
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import ms_loss_cuda
-from ms_loss_cuda.train.__main__ import main
 
-for _module in ("PIL", "tqdm", "matplotlib"):  # the training extras (a GPU machine may lack them)
+for _module in ("numpy", "PIL", "tqdm", "matplotlib"):  # the training extras (a GPU machine may lack them)
     pytest.importorskip(_module)
+import numpy as np  # noqa: E402
+import ms_loss_cuda.train.__main__ as command  # noqa: E402
+from ms_loss_cuda.train.__main__ import main  # noqa: E402
 try:  # kanjivg ships data only (a kanji/ folder), no module to import
     importlib.metadata.distribution("kanjivg")
 except importlib.metadata.PackageNotFoundError:
@@ -40,8 +43,11 @@ def test_kanji_run_writes_metrics_plot_and_checkpoint(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text()) == history
     assert (out / "metrics.csv").read_text().splitlines()[0].startswith("step,images_seen,train_loss,mined")
     assert (out / "recall.png").stat().st_size > 0
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 6
-    assert "recall@1:" in capsys.readouterr().out
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 6
+    printed = capsys.readouterr().out
+    assert "recall@1:" in printed
+    # 48 characters, half of them train and half test: 24 x 4 training and 24 x 3 test drawings
+    assert "train set: 96 images of 24 classes; test set: 72 images of 24 classes" in printed
 
 
 def test_resume_continues_the_same_run(tmp_path):
@@ -53,8 +59,8 @@ def test_resume_continues_the_same_run(tmp_path):
     assert [row["step"] for row in resumed] == [0, 3, 6]
     for key in ("train_loss", "recall@1", "map_at_r"):
         assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-6)
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
-    b = torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=False)
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=True)
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor)
     torch.testing.assert_close(b["memory"]["embeddings"], a["memory"]["embeddings"])
@@ -85,6 +91,99 @@ def test_bad_arguments(tmp_path):
         main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--batch-size", 30))
     with pytest.raises(FileNotFoundError, match="Ebay_train.txt"):
         main(["--data", "sop", "--root", str(tmp_path), "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit):  # argparse's usage error (exit status 2)
+        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--ks", 0, 1))
+
+
+def test_missing_training_extras_are_named_when_the_command_is_imported():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['tqdm'] = None; import ms_loss_cuda.train.__main__"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert 'ImportError: the training command needs tqdm, which is not installed: pip install ' \
+           '"ms-loss-cuda[train]"' in run.stderr
+
+
+def _help_entries(text):
+    """{option: its help text, one line} from argparse's help output."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, rest = line.strip().partition("  ")
+            current = invocation.split()[0].rstrip(",")
+            entries[current] = rest.strip()
+        elif current is not None and line.startswith("    ") and line.strip():
+            entries[current] = (entries[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return entries
+
+
+def test_help_gives_every_option_a_help_line_and_its_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    entries.pop("-h")
+    assert {"--data", "--steps", "--lr", "--alpha", "--beta", "--out", "--ks", "--resume"} <= set(entries)
+    for option, text in entries.items():
+        help_line, _, shown = text.partition("(default: ")
+        assert len(help_line.split()) >= 2 and shown.endswith(")"), f"{option}: {text!r}"
+    expected = {"--steps": "1000", "--lr": "0.001", "--alpha": "2.0", "--beta": "50.0", "--out": "runs/train",
+                "--ks": "1 10 100 1000", "--freeze-bn": "off", "--no-mining": "mining on"}
+    for option, default in expected.items():
+        assert entries[option].endswith(f"(default: {default})"), entries[option]
+
+
+def test_check_ks_allows_the_test_set_size_minus_one():
+    command.check_ks((1, 71), 72)  # leave-one-out: each of 72 queries ranks the other 71
+    with pytest.raises(SystemExit, match=r"--ks 72 is larger than the test set allows: it has 72 images"):
+        command.check_ks((1, 72), 72)
+    with pytest.raises(SystemExit, match=r"the test set has 1 image\(s\): leave-one-out evaluation needs at least 2"):
+        command.check_ks((1,), 1)
+
+
+def test_ks_beyond_the_test_set_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """The test set is 24 classes x 3 drawings = 72 images: --ks 72 is refused as soon as the data
+    is loaded, --ks 71 runs (evaluation ranks each query against the other 71)."""
+    build_model = command.build_model
+
+    def refuse_to_build(*arguments):
+        raise AssertionError("the model is built before --ks is checked against the test set")
+
+    monkeypatch.setattr(command, "build_model", refuse_to_build)
+    with pytest.raises(SystemExit, match=r"--ks 72 .* 72 images, .* other 71, so every k must be at most 71 "
+                                         r"\(e\.g\. --ks 1 10\)"):
+        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--ks", 1, 10, 72))
+    monkeypatch.setattr(command, "build_model", build_model)
+    history = main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--ks", 1, 71))
+    assert history[-1]["recall@71"] == 1.0  # 71 neighbours of 72 include every other drawing of the class
+
+
+class Payload:
+    """An object whose unpickling runs code: __setstate__ writes the file it names."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __setstate__(self, state):
+        pathlib.Path(state["marker"]).write_text("ran")
+
+
+def test_resume_refuses_a_checkpoint_that_is_not_plain_data(tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "payload-ran"
+    out.mkdir()
+    torch.save({"model": {}, "step": 1, "history": [], "payload": Payload(str(marker))}, out / "checkpoint.pt")
+    with pytest.raises(ValueError) as refused:
+        main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
+    message = str(refused.value)
+    assert f"{out / 'checkpoint.pt'} is not a plain-data checkpoint" in message and "Payload" in message
+    assert not marker.exists()
+    torch.load(out / "checkpoint.pt", weights_only=False)  # the same file loaded as arbitrary pickle runs it
+    assert marker.read_text() == "ran"
 
 
 def _free_port():
@@ -104,7 +203,7 @@ def test_two_processes_train_like_one(tmp_path):
     """torchrun's environment, gloo: with batch-norm frozen, two processes sharing each batch take the
     steps one process takes (the same losses and weights, to float32 rounding). SGD, whose step is
     linear in the gradient: Adam's divides by the gradient's own size, so a weight whose gradient is
-    about 0 moves by up to lr on its rounding alone (5e-4 of 0.09 after 4 steps, seen)."""
+    about 0 moves by up to lr on its rounding alone."""
     common = ("--steps", 4, "--eval-every", 2, "--freeze-bn", "--memory-size", 64, "--schedule", "constant",
               "--optimizer", "sgd", "--lr", 0.05)
     main(_kanji_args(tmp_path / "cache" / "warm", tmp_path / "cache", "--steps", 1))  # render once
@@ -124,8 +223,8 @@ def test_two_processes_train_like_one(tmp_path):
     assert [row["step"] for row in two] == [0, 2, 4]
     for a, b in zip(one[1:], two[1:]):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
-    a = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    a = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)["model"]
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
 

@@ -2,13 +2,12 @@
 authors' transforms, the P x M sampler (alone and shared by several processes), and the kanji data."""
 import importlib.metadata
 
-import numpy as np
 import pytest
 import torch
 
-from ms_loss_cuda.train import data, kanji
-
+np = pytest.importorskip("numpy")  # the training extras (a GPU machine may lack them)
 PIL = pytest.importorskip("PIL.Image")
+from ms_loss_cuda.train import data, kanji  # noqa: E402
 
 
 def _image(path, size=(40, 30), value=0):

@@ -4,13 +4,15 @@ One process, or several with torchrun (`torchrun --nproc-per-node 8 -m ms_loss_c
 each process takes its share of every global P x M batch, the loss is the MS loss of the global
 batch (ms_loss_cuda.distributed) and DistributedDataParallel averages the gradients. --chunk-size
 turns on embedding-gradient caching, so the batch is limited by the [B, D] embeddings, not by the
-activations. Rank 0 shows a progress bar, evaluates on the held-out classes every --eval-every
-steps and writes OUT/metrics.json, OUT/metrics.csv, OUT/recall.png and OUT/checkpoint.pt.
+activations. Rank 0 prints the sizes of the train and test sets, shows a progress bar, evaluates on
+the held-out classes every --eval-every steps and writes OUT/metrics.json, OUT/metrics.csv,
+OUT/recall.png and OUT/checkpoint.pt (plain data: --resume loads it with weights_only=True).
 """
 import argparse
 import contextlib
 import csv
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -19,76 +21,116 @@ import time
 import torch
 import torch.distributed as dist
 
-import ms_loss_cuda
-from ms_loss_cuda import distributed, evaluation, gradient_cache, reference
-from ms_loss_cuda.train import data, kanji, models
+# The command's own dependencies, the [train] extras (kanjivg, data only, is checked where the kanji
+# data is read): a clear message up front rather than a failure part-way through a run.
+_MISSING = [package for module, package in (("numpy", "numpy"), ("PIL", "pillow"), ("matplotlib", "matplotlib"),
+                                            ("tqdm", "tqdm")) if importlib.util.find_spec(module) is None]
+if _MISSING:
+    raise ImportError(f"the training command needs {', '.join(_MISSING)}, which "
+                      f"{'is' if len(_MISSING) == 1 else 'are'} not installed: pip install \"ms-loss-cuda[train]\"")
+
+import ms_loss_cuda  # noqa: E402
+from ms_loss_cuda import distributed, evaluation, gradient_cache, reference  # noqa: E402
+from ms_loss_cuda.train import checkpoint, data, kanji, models  # noqa: E402
 
 DATA_SETS = ("kanji", "sop", "folders", "features")
 
 
-def parse_args(argv=None):
+def _option(group, *names, shown=None, **options):
+    """group.add_argument, with the default appended to the help line: "(default: X)", X = `shown`
+    where the value is worked out later (a None default), else the default itself."""
+    action = group.add_argument(*names, **options)
+    if shown is None:
+        if action.default is None:
+            raise ValueError(f"{names[0]}: a None default needs `shown`, the default in words")
+        value = action.default
+        shown = ("off" if not value else "on") if isinstance(value, bool) else (
+            " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
+    action.help = f"{action.help} (default: {shown.replace('%', '%%')})"
+    return action
+
+
+def build_parser():
+    """The command's argument parser: every option has a help line that ends with its default."""
     p = argparse.ArgumentParser(prog="python -m ms_loss_cuda.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--data", choices=DATA_SETS, default="kanji",
-                   help="kanji: rendered KanjiVG characters (offline); sop: ROOT/Ebay_{train,test}.txt; "
-                        "folders: ROOT/train/<class>/* and ROOT/test/<class>/*; features: --train-features ...")
-    g.add_argument("--root", help="data root (sop, folders); the render cache for kanji (default OUT/../data)")
-    g.add_argument("--train-features", help="features: .npy/.pt [N, D] (or a .pt dict with features and labels)")
-    g.add_argument("--train-labels", help="features: .npy/.pt [N]")
-    g.add_argument("--test-features")
-    g.add_argument("--test-labels")
-    g.add_argument("--kanji-classes", type=int, help="kanji: use this many characters (default all 6,703)")
-    g.add_argument("--kanji-train-instances", type=int, default=8, help="drawings per training class")
-    g.add_argument("--kanji-test-instances", type=int, default=5, help="drawings per test class")
-    g.add_argument("--kanji-jitter", type=float, default=1.8, help="how far drawings of a class differ")
-    g.add_argument("--image-size", type=int, help="crop size (default 224 for images, 32 for kanji)")
-    g.add_argument("--workers", type=int, default=4, help="image decoding processes (sop, folders)")
+    _option(g, "--data", choices=DATA_SETS, default="kanji",
+            help="kanji: rendered KanjiVG characters (offline); sop: ROOT/Ebay_{train,test}.txt; "
+                 "folders: ROOT/train/<class>/* and ROOT/test/<class>/*; features: --train-features ...")
+    _option(g, "--root", help="data root (sop, folders); the render cache for kanji",
+            shown="none for sop and folders, which need it; OUT/../data for kanji")
+    _option(g, "--train-features", help="features: .npy/.pt [N, D] (or a .pt dict with features and labels)",
+            shown="none; --data features needs it")
+    _option(g, "--train-labels", help="features: .npy/.pt [N]", shown="none: the labels of a .pt dict")
+    _option(g, "--test-features", help="features: the test set, as --train-features",
+            shown="none; --data features needs it")
+    _option(g, "--test-labels", help="features: the test labels, as --train-labels",
+            shown="none: the labels of a .pt dict")
+    _option(g, "--kanji-classes", type=int, help="kanji: use this many characters", shown="all: 6,703")
+    _option(g, "--kanji-train-instances", type=int, default=8, help="drawings per training class")
+    _option(g, "--kanji-test-instances", type=int, default=5, help="drawings per test class")
+    _option(g, "--kanji-jitter", type=float, default=1.8, help="how far drawings of a class differ")
+    _option(g, "--image-size", type=int, help="crop size", shown="224 for images, 32 for kanji")
+    _option(g, "--workers", type=int, default=4, help="image decoding processes (sop, folders)")
     g = p.add_argument_group("model")
-    g.add_argument("--backbone", default=None,
-                   help="convnet (built in), a torchvision model name (resnet50, ...), or linear/mlp for features "
-                        "(default: convnet for images, linear for features)")
-    g.add_argument("--weights", help="local state_dict file for the torchvision backbone (nothing is downloaded)")
-    g.add_argument("--width", type=int, default=32, help="convnet: channels of its first block")
-    g.add_argument("--hidden", type=int, default=512, help="mlp: hidden units")
-    g.add_argument("--dim", type=int, default=128, help="embedding size")
-    g.add_argument("--freeze-bn", action="store_true", help="batch-norm statistics fixed, as the MS authors train")
+    _option(g, "--backbone", help="convnet (built in), a torchvision model name (resnet50, ...), or linear/mlp "
+                                  "for features", shown="convnet for images, linear for features")
+    _option(g, "--weights", help="local state_dict file for the torchvision backbone (nothing is downloaded)",
+            shown="none: random initial weights")
+    _option(g, "--width", type=int, default=32, help="convnet: channels of its first block")
+    _option(g, "--hidden", type=int, default=512, help="mlp: hidden units")
+    _option(g, "--dim", type=int, default=128, help="embedding size")
+    _option(g, "--freeze-bn", action="store_true", help="batch-norm statistics fixed, as the MS authors train")
     g = p.add_argument_group("batches and optimisation")
-    g.add_argument("--batch-size", type=int, default=256, help="global batch (all processes together)")
-    g.add_argument("--per-class", type=int, default=4, help="M: samples per class in a batch")
-    g.add_argument("--steps", type=int, default=1000)
-    g.add_argument("--chunk-size", type=int, default=0,
-                   help="embedding-gradient caching: encode this many samples at a time (0: the whole batch)")
-    g.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--weight-decay", type=float, default=5e-4)
-    g.add_argument("--schedule", choices=("constant", "step", "cosine"), default="cosine")
-    g.add_argument("--milestones", type=float, nargs="*", default=(0.4, 0.8), help="step schedule: fractions of --steps")
-    g.add_argument("--gamma", type=float, default=0.1, help="step schedule: factor at each milestone")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
-    g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="mixed precision (CUDA)")
-    g.add_argument("--device", default=None, help="default: cuda when available (the local rank's GPU), else cpu")
-    g.add_argument("--seed", type=int, default=0)
+    _option(g, "--batch-size", type=int, default=256, help="global batch (all processes together)")
+    _option(g, "--per-class", type=int, default=4, help="M: samples per class in a batch")
+    _option(g, "--steps", type=int, default=1000, help="optimisation steps (batches) of the whole run")
+    _option(g, "--chunk-size", type=int, default=0,
+            help="embedding-gradient caching: encode this many samples at a time (0: the whole batch)")
+    _option(g, "--optimizer", choices=("adam", "adamw", "sgd"), default="adam",
+            help="the optimiser (sgd with momentum 0.9)")
+    _option(g, "--lr", type=float, default=1e-3, help="peak learning rate")
+    _option(g, "--weight-decay", type=float, default=5e-4, help="the optimiser's weight decay")
+    _option(g, "--schedule", choices=("constant", "step", "cosine"), default="cosine",
+            help="learning-rate schedule over --steps")
+    _option(g, "--milestones", type=float, nargs="*", default=(0.4, 0.8), help="step schedule: fractions of --steps")
+    _option(g, "--gamma", type=float, default=0.1, help="step schedule: factor at each milestone")
+    _option(g, "--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    _option(g, "--amp", choices=("off", "bf16", "fp16"), default="off", help="mixed precision (CUDA)")
+    _option(g, "--device", help="the device to train on", shown="the local rank's GPU when cuda is available, else cpu")
+    _option(g, "--seed", type=int, default=0, help="seeds the weights, the batches and the augmentations")
     g = p.add_argument_group("loss (ms_loss_cuda.multi_similarity_loss)")
-    g.add_argument("--alpha", type=float, default=2.0)
-    g.add_argument("--beta", type=float, default=50.0)
-    g.add_argument("--base", type=float, default=0.5)
-    g.add_argument("--epsilon", type=float, default=0.1)
-    g.add_argument("--no-mining", dest="mining", action="store_false")
-    g.add_argument("--skip-incomplete-anchors", action="store_true")
-    g.add_argument("--backend", default="auto", choices=ms_loss_cuda.loss.BACKENDS)
-    g.add_argument("--memory-size", type=int, default=0, help="cross-batch memory rows (0: none)")
-    g.add_argument("--memory-weight", type=float, default=1.0)
-    g.add_argument("--memory-warmup", type=int, default=0, help="steps before the memory is used")
+    _option(g, "--alpha", type=float, default=2.0, help="positive-pair scale")
+    _option(g, "--beta", type=float, default=50.0, help="negative-pair scale")
+    _option(g, "--base", type=float, default=0.5, help="similarity margin (lambda)")
+    _option(g, "--epsilon", type=float, default=0.1, help="pair-mining margin")
+    _option(g, "--no-mining", dest="mining", action="store_false", help="turn pair mining off",
+            shown="mining on")
+    _option(g, "--skip-incomplete-anchors", action="store_true",
+            help="zero the anchors whose mined positive or negative set is empty, as the authors' code does")
+    _option(g, "--backend", default="auto", choices=ms_loss_cuda.loss.BACKENDS,
+            help="the loss's implementation (auto: the first that runs on the device)")
+    _option(g, "--memory-size", type=int, default=0, help="cross-batch memory rows (0: none)")
+    _option(g, "--memory-weight", type=float, default=1.0, help="weight of the batch-against-memory loss term")
+    _option(g, "--memory-warmup", type=int, default=0, help="steps before the memory is used")
     g = p.add_argument_group("evaluation and output")
-    g.add_argument("--out", default="runs/train")
-    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: only before and after)")
-    g.add_argument("--eval-batch", type=int, default=1024)
-    g.add_argument("--ks", type=int, nargs="+", default=(1, 10, 100, 1000))
-    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at evaluations)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists")
-    g.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    _option(g, "--out", default="runs/train", help="output folder: metrics, plot and checkpoint")
+    _option(g, "--eval-every", type=int, default=0, help="steps between evaluations (0: only before and after)")
+    _option(g, "--eval-batch", type=int, default=1024, help="images embedded at a time for evaluation")
+    _option(g, "--ks", type=int, nargs="+", default=(1, 10, 100, 1000),
+            help="Recall@K's K, leave-one-out on the test set: each at most the test set's size - 1")
+    _option(g, "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at evaluations)")
+    _option(g, "--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists")
+    _option(g, "--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if min(args.ks) < 1:
+        parser.error(f"--ks: every k must be at least 1, got {' '.join(map(str, args.ks))}")
     if args.backbone is None:
         args.backbone = "linear" if args.data == "features" else "convnet"
     if args.image_size is None:
@@ -150,6 +192,27 @@ def load_data(args):
     return [data.ImageDataset(paths, labels, args.image_size, train=split == 0) for split, (paths, labels) in enumerate(splits)]
 
 
+def describe_sets(train, test):
+    """One line: the images and classes of the training and test sets."""
+    def size(dataset):
+        return f"{len(dataset):,} images of {torch.unique(torch.as_tensor(dataset.labels)).numel():,} classes"
+
+    return f"train set: {size(train)}; test set: {size(test)}"
+
+
+def check_ks(ks, test_size):
+    """Refuses a k that the test set cannot rank: evaluation is leave-one-out, each of the test_size
+    images a query whose gallery is the other test_size - 1, so every k must be at most test_size - 1."""
+    gallery = test_size - 1
+    if gallery < 1:
+        raise SystemExit(f"the test set has {test_size} image(s): leave-one-out evaluation needs at least 2")
+    if max(ks) > gallery:
+        fitting = " ".join(str(k) for k in ks if k <= gallery) or str(gallery)
+        raise SystemExit(f"--ks {max(ks)} is larger than the test set allows: it has {test_size:,} images, and "
+                         f"leave-one-out evaluation ranks each against the other {gallery:,}, so every k must be at "
+                         f"most {gallery:,} (e.g. --ks {fitting})")
+
+
 def batches(dataset, sampler, workers, seed=0):
     """(inputs, labels, ids) per batch of the sampler; ids are the dataset indices (stable across steps).
     `seed` seeds the augmentations (give every process and every resumed start its own)."""
@@ -206,7 +269,7 @@ def embed(model, dataset, args, device):
 
 def evaluate(model, test, args, device):
     embeddings, labels = embed(model, test, args, device)
-    return evaluation.evaluate(embeddings, labels, args.ks)  # a k beyond the test set is an error
+    return evaluation.evaluate(embeddings, labels, args.ks)  # (check_ks has ruled out a k beyond the test set)
 
 
 def autocast(args, device):
@@ -243,8 +306,11 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world, device = init_processes(args)
     torch.manual_seed(args.seed)
-    os.makedirs(args.out, exist_ok=True)
     train, test = load_data(args)
+    if rank == 0:
+        print(describe_sets(train, test), flush=True)
+    check_ks(args.ks, len(test))
+    os.makedirs(args.out, exist_ok=True)
     model = build_model(args, train).to(device)
     if args.freeze_bn:
         models.freeze_batchnorm(model)
@@ -266,15 +332,17 @@ def main(argv=None):
     if world > 1:  # rank 0 decides: every rank must take the same path through the collectives
         dist.broadcast_object_list(resume, src=0)
     if resume[0]:
-        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        state = checkpoint.load(checkpoint_path, device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        if state["scaler"]:  # (empty when the checkpoint was written without --amp fp16)
+        if state["scaler"]:  # (empty when the run has no --amp fp16)
             scaler.load_state_dict(state["scaler"])
         if memory is not None:
             memory.load_state_dict(state["memory"])
         step, history = state["step"], state["history"]
+        if state.get("rng") is not None:  # (every rank takes rank 0's state, as every rank starts from one seed)
+            checkpoint.restore_rng(state["rng"], device)
         if rank == 0:
             print(f"resumed from {checkpoint_path} at step {step}")
 
@@ -288,12 +356,11 @@ def main(argv=None):
 
     progress = None  # the tqdm bar, rank 0
 
-    def checkpoint():  # written whole, then renamed: an interrupted save never leaves a broken file
+    def save_checkpoint():  # plain data only (train/checkpoint.py): loading it never runs code
         state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
                      scaler=scaler.state_dict(), memory=None if memory is None else memory.state_dict(), step=step,
-                     history=history, args=vars(args))
-        torch.save(state, checkpoint_path + ".tmp")
-        os.replace(checkpoint_path + ".tmp", checkpoint_path)
+                     history=history, args=vars(args), rng=checkpoint.rng_state(device))
+        checkpoint.save(state, checkpoint_path)
 
     def record(loss_sum, mined_sum, steps_since, seconds):
         metrics = evaluate(model, test, args, device) if rank == 0 else {}
@@ -306,7 +373,7 @@ def main(argv=None):
             write_metrics(history, args.out)
             shown = ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items() if k.startswith("recall@"))
             (print if progress is None else progress.write)(f"step {step}: {shown}")
-            checkpoint()
+            save_checkpoint()
         if world > 1:
             dist.barrier()
 
@@ -359,7 +426,7 @@ def main(argv=None):
             loss_sum = mined_sum = 0.0
             steps_since, started = 0, time.perf_counter()
         elif args.checkpoint_every and step % args.checkpoint_every == 0 and rank == 0:
-            checkpoint()
+            save_checkpoint()
     if progress is not None:
         progress.close()
     if rank == 0 and len(history) > 1:

@@ -1,0 +1,52 @@
+"""The training command's checkpoint: plain data only, so loading one never runs code.
+
+A checkpoint holds tensors, dicts, lists, tuples, ints, floats, bools, strings and None: the state
+dicts of the model, optimizer, schedule, gradient scaler and memory, the step, the metrics history,
+the command's arguments and the random-number generators' states (as uint8 tensors). `load` reads it
+with `torch.load(..., weights_only=True)`, which refuses any other pickled object instead of
+constructing it; such a file is reported as not a plain-data checkpoint.
+"""
+import os
+import pickle
+import re
+
+import torch
+
+__all__ = ["load", "restore_rng", "rng_state", "save"]
+
+
+def rng_state(device):
+    """{"cpu": torch's CPU generator state, "cuda": `device`'s generator state or None}, uint8 tensors."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_rng(states, device):
+    """Sets the generators to `states` (from rng_state); the CUDA one only when both sides are CUDA."""
+    torch.set_rng_state(states["cpu"].cpu())
+    if states.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+
+
+def save(state, path):
+    """Writes `state` to `path` whole, then renames it into place: an interrupted save never leaves a
+    broken file behind."""
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load(path, device="cpu"):
+    """The checkpoint at `path`, tensors on `device`. A file that holds anything beyond plain data
+    raises ValueError naming the path (its objects are refused, never constructed)."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch's message advises loading the file as arbitrary pickle; only its finding is kept.
+        text = str(error)
+        finding = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else ""
+        finding = next((line.strip() for line in finding.splitlines() if line.strip()), "")
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", finding)
+        holds = (f"it holds a pickled {found.group(1)}, which is refused and never constructed" if found else
+                 f"a plain-data load refuses it ({finding or 'not a torch.save file'})")
+        raise ValueError(f"{path} is not a plain-data checkpoint (tensors, dicts, lists, numbers and strings "
+                         f"only): {holds}") from None
