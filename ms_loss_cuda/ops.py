@@ -7,7 +7,6 @@ autograd formula, so `torch.compile` and `opcheck` see every backend the same wa
 differentiable forward the loss calls (`fused_forward` for the C++ ops).
 `LOAD_ERROR` holds why the extension could not be loaded (None when it was).
 """
-import os
 
 import torch
 
@@ -20,30 +19,12 @@ try:
 except ImportError as error:  # the package still works through the reference backend
     LOAD_ERROR = error
 
+
 def cpu_saved_rows(batch, ref_rows, elem_size, self_case):
-    """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward
-    (csrc/ms_loss_cpu.cpp, saved_layout): dense when they fit MS_LOSS_CPU_SAVED_MB (default 256;
-    B x R weights, or in the self case the strictly upper triangle, see _triangle_size), else a
-    sparse payload of that size when it holds at least 1 pair in 16, else none (the backward
-    recomputes the similarities)."""
-    budget = int(float(os.environ.get("MS_LOSS_CPU_SAVED_MB", "256")) * (1 << 20)) // elem_size
-    if batch == 0 or ref_rows == 0 or budget <= 0:
-        return 0
-    dense = _triangle_size(batch) if self_case else batch * ref_rows
-    if dense <= budget - 1:
-        return -(-(1 + dense) // batch)
-    capacity = (budget - 1 - (batch + 1)) // 2
-    if elem_size == 4:
-        capacity = min(capacity, 2 ** 31 - 1)
-    worth_it = capacity >= batch and capacity >= batch * ref_rows // 16  # room for 1 pair in 16 at least
-    return -(-(1 + batch + 1 + 2 * capacity) // batch) if worth_it else 0
-
-
-def _triangle_size(batch):
-    """Elements of the self case's triangle: strip t holds rows [t h, ...) from column t h on, with
-    h = 128 up to B = 2048, else 256 (csrc/ms_loss_cpu.cpp, Triangle)."""
-    h = 128 if batch <= 2048 else 256
-    return sum(min(h, batch - start) * (batch - start) for start in range(0, batch, h))
+    """Rows the fused CPU forward adds to stats [4, B] for the pair weights it keeps for the backward,
+    under MS_LOSS_CPU_SAVED_MB as set now: the extension's own layout rule (csrc/ms_cpu_saved.h,
+    saved_layout), a plain function of _C, so the fake kernel may call it while the op is traced."""
+    return _C.cpu_saved_rows(int(batch), int(ref_rows), int(elem_size), bool(self_case))
 
 
 def register_fused_op(forward_name, backward_name, forward_impl, backward_impl, saved_rows=None):

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.skipif(ops.LOAD_ERROR is not None, reason=f"extension n
 
 def test_the_op_names_the_shapes_it_refuses():
     """A direct call with labels of the wrong length gets an error that prints both shapes. Printing a
-    number from the extension crashed the process when _C.so carried its own statically linked
-    libstdc++ (a build by the GPU image's /opt/gcc, 2026-11-22): its iostreams were never set up."""
+    number from the extension crashes the process when _C.so carries its own statically linked
+    libstdc++ (a build by another compiler than torch's, such as a GPU image's /opt/gcc): its
+    iostreams are never set up."""
     x, labels = make_batch(16, 8, 3, dtype=torch.float32)
     with pytest.raises(RuntimeError, match=r"got \[16, 8\] and \[15\]"):
         ops.forward_op(x, labels[:-1], None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
@@ -78,7 +79,7 @@ def test_sizes(batch, dim, mining):
 def test_several_row_chunks(monkeypatch, mining, mode):
     # 4500 x 4500 float64 similarities do not fit one 64 MiB chunk: rows go in 3 chunks (sparse,
     # recompute); the dense self case keeps K = G + G^T in 18 strips (a partial last one).
-    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 4500, 4500, 8, True))
+    _set_budget(monkeypatch, mode, 4500, 4500, 8, True)
     x, labels = make_batch(4500, 8, 1125, dtype=torch.float64, seed=7, spread=0.4)  # mining keeps about 4%
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(F.normalize(x, dim=1), labels, None, None, None, None,
                                                       2.0, 50.0, 0.5, 0.1, mining, False)
@@ -224,17 +225,14 @@ def test_sparse_backward_path(case):
 SAVED_CODES = {"dense": 1, "sparse": 2, "overflow": 3, "symmetric": 4, "symmetric gathers": 5}  # (the self case's K)
 
 
-def _budget_mb(mode, batch, ref_rows, elem_size, self_case):
-    """MS_LOSS_CPU_SAVED_MB that makes the forward keep its weights `mode`-wise: sparse with room for
+def _set_budget(monkeypatch, mode, batch, ref_rows, elem_size, self_case):
+    """Sets MS_LOSS_CPU_SAVED_MB so that the forward keeps its weights `mode`-wise: sparse with room for
     about half of the dense payload (B x R, or the self case's triangle), which does not fit then
     (mining keeps fewer pairs; without mining the forward overflows and the backward recomputes)."""
-    if mode == "dense":
-        return "256"
-    if mode == "recompute":
-        return "0"
-    dense = ms_loss_cuda.ops._triangle_size(batch) if self_case else batch * ref_rows
-    elements = dense - batch  # capacity (elements - 1 - (B + 1)) / 2: about half the dense payload
-    return repr(elements * elem_size / 2 ** 20)
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", "0" if mode == "recompute" else "256")
+    if mode == "sparse":  # one row of stats short of the dense payload: capacity (elements - 1 - (B + 1)) / 2
+        elements = (ops.cpu_saved_rows(batch, ref_rows, elem_size, self_case) - 1) * batch
+        monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", repr(elements * elem_size / 2 ** 20))
 
 
 def _saved_code(stats, batch):
@@ -258,7 +256,7 @@ def _clustered(case, dtype):
 def test_saved_weights_every_mode(monkeypatch, mode, case, mining, dtype):
     kwargs = _clustered(case, dtype)
     ref_rows = kwargs["ref_embeddings"].shape[0] if "ref_embeddings" in kwargs else 97
-    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, ref_rows, dtype.itemsize, case == "self"))
+    _set_budget(monkeypatch, mode, 97, ref_rows, dtype.itemsize, case == "self")
     x = F.normalize(kwargs["embeddings"], dim=1)
     ref = F.normalize(kwargs["ref_embeddings"], dim=1) if "ref_embeddings" in kwargs else None
     _, stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, kwargs["labels"], kwargs.get("ids"), ref,
@@ -322,7 +320,7 @@ def test_saved_weights_are_deterministic_and_pass_opcheck(monkeypatch, mode, cas
     ref = F.normalize(kwargs["ref_embeddings"], dim=1).requires_grad_() if "ref_embeddings" in kwargs else None
     args = (x, kwargs["labels"], kwargs.get("ids"), ref, kwargs.get("ref_labels"), kwargs.get("ref_ids"),
             2.0, 50.0, 0.5, 0.1, True, False)
-    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", _budget_mb(mode, 97, 97 if ref is None else ref.shape[0], 4, ref is None))
+    _set_budget(monkeypatch, mode, 97, 97 if ref is None else ref.shape[0], 4, ref is None)
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(*detached)
     assert _saved_code(stats, 97) == SAVED_CODES["symmetric gathers" if mode == "dense" and ref is None else mode]

@@ -26,8 +26,8 @@ def nvcc_command(source, output):
     if not os.path.exists(os.path.join(includes[0], "c10", "cuda", "impl", "cuda_cmake_macros.h")):
         flags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
     arch_flags = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHS]
-    # --threads 0: the targets compile in parallel, one thread a core (68 s against 95 on 2 cores); nvcc
-    # still prints each target's ptxas report in one piece
+    # --threads 0: the targets compile in parallel, one thread a core; nvcc still prints each target's
+    # ptxas report in one piece
     return [NVCC, "-c", source, "-o", output, *flags, *arch_flags, "--threads", "0"] + [f"-I{path}" for path in includes]
 
 

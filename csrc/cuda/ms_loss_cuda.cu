@@ -2,11 +2,11 @@
 // csrc/ms_loss.cpp): kernels and host logic are in ms_loss_kernels.cuh; this file launches them on
 // the current CUDA stream, checks every launch, and registers the ops.
 //
-// Verified on an H100, this build (bench/gpu_check.sh, 2026-11-22): the parity suite on CUDA tensors
-// and compute-sanitizer memcheck/racecheck/synccheck. Without a GPU: compiled with nvcc for sm_80 and
-// sm_90 (ptxas: no spills, no stack frame; HMMA in the 16-bit kernels' SASS), and kernels plus host
-// logic run on CPU threads through an emulation of the CUDA features they use
-// (tests/test_gpu_backends.py, target cuda_emulated).
+// Checks: on a GPU, bench/gpu_check.sh runs the parity suite on CUDA tensors and compute-sanitizer
+// memcheck/racecheck/synccheck. Without one, tests/test_cuda_compile.py compiles this file with nvcc
+// for sm_80 and sm_90 (ptxas: no spills, no stack frame; HMMA in the 16-bit kernels' SASS), and the
+// parity suite's cuda_emulated target (tests/targets.py) runs kernels plus host logic on CPU threads
+// through an emulation of the CUDA features they use.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
