@@ -68,7 +68,8 @@ def multi_similarity_loss(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xs = x.to(compute)
     rs = xs if ref_x is None else ref_x.to(compute)
-    s = xs @ rs.T
+    with torch.autocast(x.device.type, enabled=False):  # (autocast would make the product 16-bit)
+        s = xs @ rs.T
     if masks is None:
         pos, neg = pair_masks(labels, ref_labels, ids, ref_ids)
         if mining:

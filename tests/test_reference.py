@@ -100,3 +100,15 @@ def test_reference_gradcheck(mining):
     assert torch.autograd.gradcheck(fn, (x, ref))
     fn_self = lambda a: reference.multi_similarity_loss(a, labels, mining=mining, beta=5.0, reduction="none")  # noqa: E731
     assert torch.autograd.gradcheck(fn_self, (x,))
+
+
+def test_reference_similarities_stay_float32_under_autocast():
+    """Under autocast the product x @ r.T would run in 16 bits; the spec computes every similarity in
+    float32 (float64 for float64 inputs), autocast or not."""
+    x, labels = make_batch(40, 16, 5, dtype=torch.float32, seed=7)
+    x = torch.nn.functional.normalize(x, dim=1)
+    plain = reference.multi_similarity_loss(x, labels, reduction="none")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = reference.multi_similarity_loss(x, labels, reduction="none")
+    assert under.dtype == torch.float32
+    torch.testing.assert_close(under, plain, rtol=1e-6, atol=1e-7)
