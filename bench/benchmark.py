@@ -1,34 +1,29 @@
-"""Forward+backward time and peak memory of the MS loss providers, side by side in one run.
+"""Forward+backward time and peak memory of the MS loss providers, side by side in one run: the
+measuring, the driver and its command line, the table (with its legend) and the plot. What is timed,
+the providers and the data, is bench/providers.py's.
 
-Providers: `floor` (forward+backward of X @ X.T alone: the GEMM work no exact method avoids),
-`matmul4` (four X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does
-four GEMM-equivalents), `reference` (dense PyTorch), the fused backends `cpu`, `triton` and
-`cuda`, `triton-graph` (the triton step captured once in a CUDA graph and replayed: no host work
-per step; CUDA only; on a GPU its backward is the chunked one: pair weights to memory 256 MiB at a
-time, the second product by cuBLAS), `triton-fused` and `triton-fused-graph` (the same with the
-triton backend's fused backward, MS_LOSS_TRITON_CHUNK_MB=0), `triton-tuned` and
-`triton-tuned-graph` (with --tuned tune.json: the triton step on the winners of
-bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that
-one GPU call can sweep and time them beside the shipped entries), and `pml`
-(pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner).
-The data is a P x M batch (M = 4 samples per class around class centres); --hardness sets the
-noise and so the fraction of pairs mining keeps, which every result records (`mined`: kept pairs
-over all pairs of distinct identity, counted on the first 256 anchors): easy (noise 1.2, under 0.1%),
-typical (2.0, about 12%), hard (3.0, about 75%).
-On CPU every (provider, B) runs in a fresh process, so its peak memory is its own: the process's
-high-water mark above the inputs (reset through /proc/self/clear_refs), timed with perf_counter,
-best of --repeats (of more for short steps: as many as fit 1 s, at most 100). On CUDA everything
-runs in this process: peak memory is torch.cuda.max_memory_allocated above the inputs, time the
-median of --repeats runs between CUDA events after a warm-up (which also compiles), and TFLOP/s
-counts 4 GEMM-equivalents (4 * 2 * B * R * D flops) per step. --bank R1 R2 .. adds the memory-bank
-shape: --bank-batch anchors against R reference rows (gradient to the anchors only, as a memory
-bank takes none). A provider whose
-predicted peak (linear in B * R from its last size) would not fit in the free memory, or whose
-predicted time is over --max-seconds, is recorded as skipped.
+Providers: floor, matmul4, reference, cpu, triton, triton-fused, triton-tuned (with --tuned), cuda,
+compiled (bench/compiled_loss.py under torch.compile), pml, and on CUDA the -graph variants
+(bench/providers.py describes each). The data is a P x 4 batch; --hardness sets the fraction of pairs
+mining keeps, which every result records (`mined`: kept pairs over all pairs of distinct identity,
+counted on the first 256 anchors). With a compiled provider the run first checks, once, that the
+compiled loss and its gradient match ms_loss_cuda's reference on small float64 data
+(bench/compiled_loss.py: check), and stops if not.
+On CPU every (provider, B) runs in a fresh process, so its peak memory is its own: a first call, neither
+timed nor in the peak (`first_seconds` keeps its time), makes the allocations that last, such as thread
+pools, and for `compiled` the compile (from an empty inductor cache); the peak is then the process's
+high-water mark above the inputs (reset through /proc/self/clear_refs) in the next call, the warm-up;
+time: perf_counter, best of --repeats (of more for short steps: as many as fit 1 s, at most 100). On
+CUDA everything runs in this process: peak memory is torch.cuda.max_memory_allocated above the inputs,
+time the median of --repeats runs between CUDA events after a warm-up (which also compiles), and
+TFLOP/s counts 4 GEMM-equivalents (4 * 2 * B * R * D flops) per step. --bank R1 R2 .. adds the
+memory-bank shape: --bank-batch anchors against R reference rows (gradient to the anchors only, as a
+memory bank takes none). A provider whose predicted peak (linear in B * R from its last size) would
+not fit in the free memory, or whose predicted time is over --max-seconds, is recorded as skipped.
 
     python bench/benchmark.py --sizes 1024 4096 --out bench/results/demo
     python bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 --bank 262144 \
-        --providers matmul4 triton cuda pml --out bench/results/gpu
+        --providers matmul4 triton cuda compiled pml --out bench/results/gpu
 write results.json, results.csv and results.png there and print a table.
 """
 import argparse
@@ -38,141 +33,12 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
-TRITON = ("triton", "triton-graph", "triton-fused", "triton-fused-graph")
-TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, "cuda", "pml")
-FUSED = ("cpu", *TRITON, *TUNED, "cuda")
-DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "pml"),
-                     "cuda": ("matmul4", "reference", *TRITON, "cuda", "pml")}
-HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
-PER_CLASS = 4
-
-
-# ---- data ---------------------------------------------------------------------------------------
-def make_inputs(batch, dim, noise=HARDNESS["typical"], ref_rows=None, device="cpu", seed=0):
-    """SOP-like P x M data, float32: a batch of `batch` rows (PER_CLASS per class) and, when
-    `ref_rows` is given, a memory bank of that many rows of the same classes (and more)."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rows = batch if ref_rows is None else max(batch, ref_rows)
-    centres = torch.randn(rows // PER_CLASS + 1, dim, generator=gen, device=device)
-
-    def draw(n):
-        labels = torch.arange(n, device=device) // PER_CLASS
-        return centres[labels] + noise * torch.randn(n, dim, generator=gen, device=device), labels
-
-    x, labels = draw(batch)
-    ref, ref_labels = draw(ref_rows) if ref_rows is not None else (None, None)
-    return x, labels, ref, ref_labels
-
-
-def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tuned=None):
-    """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`); mining=False:
-    every pair (pytorch-metric-learning's loss without its miner); `tuned`: the tile table of the
-    triton-tuned providers."""
-    if provider == "floor":
-        return lambda x: (x @ (x if ref is None else ref).T).sum().backward()
-    if provider == "matmul4":
-        def four_products(x):
-            for _ in range(4):
-                x.detach() @ (x if ref is None else ref).detach().T  # each freed before the next
-        return four_products
-    if provider == "pml":
-        from pytorch_metric_learning import losses, miners
-
-        loss, miner = losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner()
-        if not mining:
-            return lambda x: loss(x, labels, ref_emb=ref, ref_labels=ref_labels).backward()
-        if ref is None:
-            return lambda x: loss(x, labels, miner(x, labels)).backward()
-        return lambda x: loss(x, labels, miner(x, labels, ref, ref_labels), ref, ref_labels).backward()
-    import ms_loss_cuda
-
-    if provider.endswith("-graph"):
-        return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining, tuned))
-    step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
-        x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
-        backend="triton" if provider.startswith("triton") else provider).backward()
-    if provider.startswith("triton"):  # the shipped backward, or the fused one (the tuned table names its own)
-        step = with_chunk_budget(step, "0" if provider == "triton-fused" else None)
-        return with_tiles(step, tuned) if provider == "triton-tuned" else step
-    return step
-
-
-def with_chunk_budget(step, mib):
-    """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward; None: unset,
-    the shipped default), set before each call, as every triton provider does (one setenv: mock.patch.dict
-    copied and restored the whole environment, 77 us a step on this project's CPU machines, inside the
-    timed host work)."""
-    def run(x):
-        if mib is None:
-            os.environ.pop("MS_LOSS_TRITON_CHUNK_MB", None)
-        else:
-            os.environ["MS_LOSS_TRITON_CHUNK_MB"] = mib
-        step(x)
-
-    return run
-
-
-def with_tiles(step, table):
-    """`step` with the triton backend's tile table (ms_loss.tile_config, read by every launch plan)
-    replaced by `table` during the call."""
-    import ms_loss_cuda.triton_kernels.ms_loss as kernels
-
-    def run(x):
-        shipped, kernels.tile_config = kernels.tile_config, table
-        try:
-            step(x)
-        finally:
-            kernels.tile_config = shipped
-
-    return run
-
-
-def graphed(step):
-    """`step`, captured in a CUDA graph on its first call (after warm-up runs on a side stream, as
-    torch.cuda.graphs asks) and replayed afterwards: what a training loop gets from
-    torch.cuda.make_graphed_callables or torch.compile(mode="reduce-overhead"). Each replay writes
-    x.grad in the graph's own memory."""
-    import torch
-
-    graph = torch.cuda.CUDAGraph()
-    captured = []
-
-    def run(x):
-        if not captured:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    x.grad = None
-                    step(x)
-            torch.cuda.current_stream().wait_stream(side)
-            x.grad = None
-            with torch.cuda.graph(graph):
-                step(x)
-            captured.append(True)
-        graph.replay()
-
-    return run
-
-
-def tuned_from(path, dtype):
-    """(tile table, what it holds) from a sweep of bench/tune_triton.py for `dtype` ("float32-tf32": none
-    yet, the sweep runs IEEE float32); (None, why) when the sweep has no winner for it."""
-    import tune_triton  # (bench/, this script's folder)
-
-    try:
-        with open(path) as f:
-            found = tune_triton.winners(json.load(f), dtype)
-    except (OSError, ValueError) as error:
-        return None, f"{path} unreadable: {error}"
-    if not found:
-        return None, f"{path} has no winners for {dtype}"
-    return tune_triton.tuned_table(found), {kind: repr(config) for kind, config in found.items()}
+# (bench/, this script's folder; the other bench scripts take make_inputs, step_function and HARDNESS from here)
+from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PROVIDERS, TUNED, describe, make_inputs,
+                       step_function)
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -190,33 +56,53 @@ def track_peak_rss():
     return lambda: (_rss_kib("VmHWM") - base_kib) / 1024
 
 
+def release_free_memory():
+    """Hands the C heap's free pages back to the system (glibc malloc_trim), so that the resident
+    high-water mark of the next step counts what it allocates, not reuse of what the first call left free."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measure_cpu(provider, batch, args):
-    """Run in a fresh process (see run_worker): peak resident memory above the inputs."""
+    """Run in a fresh process (see run_worker): a first call, untimed, which compiles (compiled) and makes
+    the allocations that last (thread pools); then the warm-up, whose peak resident memory above the
+    inputs is the step's; then the timed runs."""
     import torch
 
     x0, labels, _, _ = make_inputs(batch, args.dim, HARDNESS[args.hardness])
     x = x0.to(getattr(torch, args.dtype)).requires_grad_()
     step = step_function(provider, labels, mining=not args.no_mining)
+    start = time.perf_counter()
+    step(x)
+    first = time.perf_counter() - start
+    x.grad = None
+    release_free_memory()
     peak_rss_mib = track_peak_rss()
     start = time.perf_counter()
-    step(x)  # also the warm-up
-    first = time.perf_counter() - start
+    step(x)  # the warm-up, which measures the peak
+    warm = time.perf_counter() - start
     peak_mib = peak_rss_mib()
     times = []
     # at least --repeats runs; short steps repeat for 1 s (up to 100 runs): at B = 1024 a single
     # 10 ms step moves by 30% between runs on this shared VM
     while (len(times) < args.repeats or (sum(times) < 1.0 and len(times) < 100)) \
-            and sum(times) + first < args.max_seconds:
+            and sum(times) + warm < args.max_seconds:
         x.grad = None
         start = time.perf_counter()
         step(x)
         times.append(time.perf_counter() - start)
-    return {"seconds": min(times or [first]), "runs": len(times) or 1, "peak_extra_mib": peak_mib,
-            "threads": torch.get_num_threads()}
+    return {"seconds": min(times or [warm]), "runs": len(times) or 1, "peak_extra_mib": peak_mib,
+            "first_seconds": first, "threads": torch.get_num_threads()}
 
 
 def measure_cuda(provider, inputs, args):
-    """In this process: median of CUDA-event timings after a warm-up, peak allocation above the inputs."""
+    """In this process: median of CUDA-event timings after a warm-up, peak allocation above the inputs
+    during the warm-up (a compiled provider's three calls: the compile, and with mode="reduce-overhead"
+    the CUDA graph's warm-up and recording)."""
     import statistics
 
     import torch
@@ -237,6 +123,8 @@ def measure_cuda(provider, inputs, args):
     run()  # the warm-up: compiles, and measures the peak
     torch.cuda.synchronize()
     first = time.perf_counter() - start
+    for _ in range(2 if provider in COMPILED else 0):  # torch's CUDA graphs: a warm-up call, then the recording
+        run()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
     times = []
     while len(times) < args.repeats and sum(times) < args.max_seconds:
@@ -305,7 +193,9 @@ def run_worker(provider, batch, args):
     command = [sys.executable, __file__, "--worker", provider, str(batch), "--dim", str(args.dim),
                "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
                "--dtype", args.dtype, "--hardness", args.hardness] + (["--no-mining"] if args.no_mining else [])
-    done = subprocess.run(command, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:  # a compile from an empty cache, as at first
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
     if done.returncode != 0:
         killed = done.returncode in (-9, 137)
         return {"status": "out of memory (killed)" if killed else f"failed: {done.stderr.strip()[-300:]}"}
@@ -336,7 +226,8 @@ def write_results(rows, info, out):
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["provider", "batch", "ref", "dim", "device", "dtype", "hardness",
                                                "mined", "status", "seconds", "tflops", "peak_extra_mib", "runs",
-                                               "back_to_back_seconds", "threads"], extrasaction="ignore")
+                                               "first_seconds", "back_to_back_seconds", "threads"],
+                                extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -345,10 +236,20 @@ def shape_name(batch, ref):
     return f"{batch}" if ref is None else f"{batch} x {ref}"
 
 
+def ratio_columns(providers):
+    """(a, b) of each "a / b" column: each fused backend against the yardstick (matmul4 on CUDA, floor on
+    CPU), compiled against each fused backend (compiled-graph against each -graph one), pml against each."""
+    base = "matmul4" if "matmul4" in providers else "floor"
+    fused = [f for f in FUSED if f in providers]
+    return ([(f, base) for f in fused]
+            + [(c, f) for c in COMPILED if c in providers
+               for f in fused if c.endswith("-graph") == f.endswith("-graph")]
+            + [("pml", f) for f in fused if "pml" in providers])
+
+
 def table(rows, shapes, providers, time_key="seconds"):
-    """Markdown table: time, TFLOP/s (CUDA) and peak extra memory per provider and shape, then each
-    fused backend against the yardstick (floor on CPU, matmul4 on CUDA) and pml against it.
-    time_key="back_to_back_seconds": the times alone, of steps issued back to back (CUDA)."""
+    """Markdown table: time, TFLOP/s (CUDA) and peak extra memory per provider and shape, then the ratios
+    of ratio_columns. time_key="back_to_back_seconds": the times alone, of steps issued back to back (CUDA)."""
     by = {(r["provider"], r["batch"], r["ref"]): {**r, "seconds": r.get(time_key)} for r in rows}
 
     def cell(r):
@@ -359,8 +260,7 @@ def table(rows, shapes, providers, time_key="seconds"):
         rate = f" / {r['tflops']:.0f} TFLOP/s" if "tflops" in r else ""
         return f"{r['seconds']:.3g} s{rate} / {r['peak_extra_mib']:.0f} MiB"
 
-    base = "matmul4" if "matmul4" in providers else "floor"
-    ratios = [(f, base) for f in FUSED if f in providers] + [("pml", f) for f in FUSED if f in providers and "pml" in providers]
+    ratios = ratio_columns(providers)
     lines = ["| B (x R) | mined | " + " | ".join(providers) + "".join(f" | {a} / {b}" for a, b in ratios) + " |",
              "|---|---|" + "---|" * (len(providers) + len(ratios))]
     for batch, ref in shapes:
@@ -371,6 +271,36 @@ def table(rows, shapes, providers, time_key="seconds"):
         lines.append(f"| {shape_name(batch, ref)} | " + ("-" if mined is None else f"{100 * mined:.3g}%") + " | "
                      + " | ".join(cell(here[p]) for p in providers)
                      + "".join(f" | {ratio(a, b)}" for a, b in ratios) + " |")
+    return "\n".join(lines)
+
+
+def legend(rows, providers):
+    """What the table's columns and cells hold: the lines printed under it."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    cuda = any(r["device"] == "cuda" for r in rows)
+    runs = sorted({r["runs"] for r in ok}) or [0]
+    runs = f"{runs[0]}" if runs[0] == runs[-1] else f"{runs[0]}-{runs[-1]}"
+    how = (f"median of {runs} runs between CUDA events" if cuda else
+           f"best of {runs} runs (at least --repeats, more as fit 1 s; each provider and B in a fresh process)")
+    lines = ["B (x R): B anchors against the batch itself (the diagonal skipped); B x R: against a memory bank of "
+             "R rows.",
+             "mined: the share of the pairs of distinct identity that the MS miner keeps (first 256 anchors).",
+             "cell: time" + (" / TFLOP/s" if cuda else "") + " / peak memory. Time: of one forward+backward, "
+             f"{how}, after an untimed warm-up"
+             + ("; TFLOP/s: 4 * 2 * B * R * D flops a step over it" if cuda else "")
+             + "; peak memory: above the inputs, " + ("during the warm-up" if cuda else
+                                                       "in the warm-up step (the second call: the first one, "
+                                                       "untimed, compiles and makes the one-time allocations)")
+             + "."]
+    lines += [f"{p}: {describe(p)}." for p in providers]
+    if ratio_columns(providers):
+        lines.append("a / b: a's time over b's (above 1: b is faster).")
+    for provider in (p for p in COMPILED if p in providers):
+        first = [f"B = {shape_name(r['batch'], r['ref'])}: {r['first_seconds']:.1f} s"
+                 for r in ok if r["provider"] == provider]
+        if first:
+            compile = "the compile" if cuda else "a compile from an empty cache"
+            lines.append(f"{provider}'s first call ({compile}, and one step; untimed): " + ", ".join(first) + ".")
     return "\n".join(lines)
 
 
@@ -398,6 +328,24 @@ def plot(rows, info, out, providers):
     fig.suptitle(f"{where}, torch {info['torch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "results.png"), dpi=110)
+
+
+def check_compiled(providers, args):
+    """Once a run: each compiled provider's loss and gradient against ms_loss_cuda's reference on small
+    float64 data, on --device, the self case (and the bank with --bank); stops the run on a mismatch.
+    Returns what info records: the largest relative error and the seconds the check took (compiles)."""
+    import compiled_loss
+
+    start, error = time.perf_counter(), 0.0
+    for provider in providers:
+        graphs = provider == "compiled-graph"
+        loss = compiled_loss.compiled(graphs)
+        for bank in (False, True) if args.bank else (False,):
+            error = max(error, compiled_loss.check(loss, args.device, bank, not args.no_mining, 3 if graphs else 1))
+    seconds = time.perf_counter() - start
+    print(f"compiled loss against the reference (float64): largest relative error {error:.2g} ({seconds:.0f} s)",
+          flush=True)
+    return {"largest_relative_error": error, "seconds": seconds}
 
 
 def main():
@@ -441,12 +389,18 @@ def main():
     info = machine_info()
     info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     tuned_dtype = args.dtype + ("-tf32" if args.tf32 else "")
-    args.tuned_table, info["tuned"] = tuned_from(args.tuned, tuned_dtype) if args.tuned else (None, None)
+    args.tuned_table, info["tuned"] = None, None
+    if args.tuned:
+        from triton_internals import tuned_from
+
+        args.tuned_table, info["tuned"] = tuned_from(args.tuned, tuned_dtype)
     if args.tuned_table is None and set(TUNED) & set(providers):
         if not args.tuned:
             parser.error("the triton-tuned providers need --tuned")
         providers = [p for p in providers if p not in TUNED]  # (no winners for this dtype: info["tuned"] says so)
     print(f"machine: {info}", flush=True)
+    if set(COMPILED) & set(providers):
+        info["compiled_check"] = check_compiled([p for p in providers if p in COMPILED], args)
     rows, last = [], {}
     for batch, ref_rows in shapes:
         inputs = make_inputs(batch, args.dim, HARDNESS[args.hardness], ref_rows, args.device)
@@ -460,7 +414,7 @@ def main():
                    "dtype": args.dtype, "hardness": "mining off" if args.no_mining else args.hardness,
                    "mined": mined}
             skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
-            print(f"[{shape_name(batch, ref_rows):>14}] {provider:<9} ", end="", flush=True)
+            print(f"[{shape_name(batch, ref_rows):>14}] {provider:<14} ", end="", flush=True)
             if skip:
                 row["status"] = skip
             elif args.device == "cpu":
@@ -473,10 +427,13 @@ def main():
                     row["status"] = "out of memory"
                 except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
                     row["status"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+                if provider in COMPILED:
+                    torch.compiler.reset()  # (frees its CUDA graphs' memory for the providers after it)
                 torch.cuda.empty_cache()
             if row["status"] == "ok":
                 last[(provider, ref_rows is None)] = row
-                print(f"{row['seconds']:.4g} s, peak +{row['peak_extra_mib']:.0f} MiB", flush=True)
+                compile_note = f" (first call {row['first_seconds']:.1f} s)" if provider in COMPILED else ""
+                print(f"{row['seconds']:.4g} s, peak +{row['peak_extra_mib']:.0f} MiB{compile_note}", flush=True)
             else:
                 print(row["status"], flush=True)
             rows.append(row)
@@ -484,6 +441,7 @@ def main():
         del inputs
     print()
     print(table(rows, shapes, providers))
+    print("\n" + legend(rows, providers))
     if args.device == "cuda":
         print("\nBack to back (each step issued without waiting for the last):")
         print(table(rows, shapes, providers, "back_to_back_seconds"))

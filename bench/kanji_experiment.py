@@ -22,12 +22,10 @@ loss alone timed against pytorch-metric-learning and torch.compile at each size:
 import argparse
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 
 from experiment_report import write_report
+from experiment_runs import machine_info, run_setting
 
 # name: (batch, training command arguments); fixed-steps on CPU, sized to finish within 90 minutes on 2 cores
 FIXED_STEPS = {
@@ -45,40 +43,6 @@ EQUAL_IMAGES = {
     "batch 4096 (chunks of 512)": (4096, ["--chunk-size", "512"]),
     "batch 256 + memory 16384": (256, ["--memory-size", "16384"]),
 }
-
-
-def run_setting(name, batch, extra, steps, seed, args):
-    """One run of the training command; its metrics history."""
-    run_dir = os.path.join(args.out, "runs", f"{name.split(' (')[0].replace(' + ', '_').replace(' ', '_')}-seed{seed}")
-    command = [sys.executable, "-m", "ms_loss_cuda.train", "--data", "kanji", "--root", args.data,
-               "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed), "--out", run_dir,
-               "--eval-every", str(max(1, steps // args.evaluations)) if args.evaluations else "0",
-               "--no-progress", "--device", args.device, *extra, *args.extra]
-    if "--memory-size" in extra:
-        command += ["--memory-warmup", str(steps // 10)]
-    print(f"== {name}, seed {seed}: {steps} steps\n   {' '.join(command)}", flush=True)
-    started = time.perf_counter()
-    subprocess.run(command, check=True)
-    with open(os.path.join(run_dir, "metrics.json")) as handle:
-        history = json.load(handle)
-    return {"batch": batch, "steps": steps, "seed": seed, "wall_seconds": round(time.perf_counter() - started, 1),
-            "history": history}
-
-
-def machine_info(device):
-    import torch
-
-    info = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "device": device,
-            "date": time.strftime("%Y-%m-%d")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    info["build"] = (commit or "unknown") + (" + uncommitted changes" if dirty else "")
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def main():

@@ -1,0 +1,167 @@
+"""What bench/benchmark.py times: the data and one forward+backward step of each provider.
+
+Providers (PROVIDER_HELP says each in a line, for the printed table's legend):
+`floor` (forward+backward of X @ X.T alone: the GEMM work no exact method avoids), `matmul4` (four
+X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does four
+GEMM-equivalents), `reference` (ms_loss_cuda's dense PyTorch backend), the fused backends `cpu`,
+`triton` and `cuda`, `triton-fused` (the triton backend's fused backward, MS_LOSS_TRITON_CHUNK_MB=0;
+on a GPU plain `triton` takes the chunked one: pair weights to memory 256 MiB at a time, the second
+product by cuBLAS), `triton-tuned` (with --tuned tune.json: the triton step on the winners of
+bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that one
+GPU call can sweep and time them beside the shipped entries), `compiled` (the dense MS loss and miner
+written plainly in torch, bench/compiled_loss.py, under torch.compile: what a user writes instead of
+this library), `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner), and
+`NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
+step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
+
+The data is a P x M batch (M = PER_CLASS samples per class around class centres); the hardness sets
+the noise and so the fraction of pairs mining keeps: easy (noise 1.2, under 0.1%), typical (2.0,
+about 12%), hard (3.0, about 75%). The lines that reach into the Triton backend's internals (its tile
+table) live in bench/triton_internals.py alone.
+"""
+import os
+
+TRITON = ("triton", "triton-graph", "triton-fused", "triton-fused-graph")
+TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
+COMPILED = ("compiled", "compiled-graph")
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, "cuda", *COMPILED, "pml")
+FUSED = ("cpu", *TRITON, *TUNED, "cuda")
+DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
+                     "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
+PROVIDER_HELP = {
+    "floor": "X @ X.T (X @ R.T with a bank) forward+backward alone: the GEMM work no exact method avoids",
+    "matmul4": "four X @ X.T products, no backward: the GPU yardstick (a fused step does four GEMM-equivalents)",
+    "reference": "ms_loss_cuda's dense PyTorch backend (the B x R matrix in memory)",
+    "cpu": "ms_loss_cuda's fused C++ backend (no B x R matrix)",
+    "triton": "ms_loss_cuda's Triton backend (on a GPU its chunked backward: 256 MiB of pair weights at a time)",
+    "triton-fused": "the Triton backend with its fused backward (MS_LOSS_TRITON_CHUNK_MB=0)",
+    "triton-tuned": "the Triton backend on the winners of bench/tune_triton.py's sweep (--tuned)",
+    "cuda": "ms_loss_cuda's CUDA C++ backend",
+    "compiled": "the dense loss + miner written plainly in torch (bench/compiled_loss.py) under torch.compile;"
+                " compiled by its first call, untimed",
+    "pml": "pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner",
+}
+HARDNESS = {"easy": 1.2, "typical": 2.0, "hard": 3.0}  # noise around the class centres
+PER_CLASS = 4
+
+
+def describe(provider):
+    """PROVIDER_HELP's line for `provider`; NAME-graph: NAME's step replayed as a CUDA graph."""
+    if provider == "compiled-graph":
+        return 'compiled under torch.compile(mode="reduce-overhead"): torch\'s CUDA graphs'
+    if provider.endswith("-graph"):
+        return f"the {provider[:-len('-graph')]} step captured once in a CUDA graph and replayed"
+    return PROVIDER_HELP[provider]
+
+
+def make_inputs(batch, dim, noise=HARDNESS["typical"], ref_rows=None, device="cpu", seed=0):
+    """SOP-like P x M data, float32: a batch of `batch` rows (PER_CLASS per class) and, when
+    `ref_rows` is given, a memory bank of that many rows of the same classes (and more)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = batch if ref_rows is None else max(batch, ref_rows)
+    centres = torch.randn(rows // PER_CLASS + 1, dim, generator=gen, device=device)
+
+    def draw(n):
+        labels = torch.arange(n, device=device) // PER_CLASS
+        return centres[labels] + noise * torch.randn(n, dim, generator=gen, device=device), labels
+
+    x, labels = draw(batch)
+    ref, ref_labels = draw(ref_rows) if ref_rows is not None else (None, None)
+    return x, labels, ref, ref_labels
+
+
+def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tuned=None):
+    """One forward+backward of `provider` on embeddings x (and the fixed bank `ref`); mining=False:
+    every pair (pytorch-metric-learning's loss without its miner); `tuned`: the tile table of the
+    triton-tuned providers."""
+    if provider == "floor":
+        return lambda x: (x @ (x if ref is None else ref).T).sum().backward()
+    if provider == "matmul4":
+        def four_products(x):
+            for _ in range(4):
+                x.detach() @ (x if ref is None else ref).detach().T  # each freed before the next
+        return four_products
+    if provider == "pml":
+        from pytorch_metric_learning import losses, miners
+
+        loss, miner = losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner()
+        if not mining:
+            return lambda x: loss(x, labels, ref_emb=ref, ref_labels=ref_labels).backward()
+        if ref is None:
+            return lambda x: loss(x, labels, miner(x, labels)).backward()
+        return lambda x: loss(x, labels, miner(x, labels, ref, ref_labels), ref, ref_labels).backward()
+    if provider in COMPILED:
+        return compiled_step(labels, ref, ref_labels, mining, graphs=provider == "compiled-graph")
+    import ms_loss_cuda
+
+    if provider.endswith("-graph"):
+        return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining, tuned))
+    step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
+        x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
+        backend="triton" if provider.startswith("triton") else provider).backward()
+    if provider.startswith("triton"):  # the shipped backward, or the fused one (the tuned table names its own)
+        step = with_chunk_budget(step, "0" if provider == "triton-fused" else None)
+        if provider == "triton-tuned":
+            from triton_internals import with_tiles  # (bench/, this module's folder)
+
+            return with_tiles(step, tuned)
+    return step
+
+
+def compiled_step(labels, ref, ref_labels, mining, graphs=False):
+    """The step of `compiled` (graphs: `compiled-graph`): bench/compiled_loss.py's dense loss under
+    torch.compile, compiled afresh by the first call. With CUDA graphs the bank is marked static, as a
+    module's buffer is, so that each replay reads it in place instead of copying it in first."""
+    import torch
+
+    import compiled_loss  # (bench/, this module's folder)
+
+    loss = compiled_loss.compiled(graphs)
+    if graphs and ref is not None:
+        torch._dynamo.mark_static_address(ref)
+    return lambda x: loss(x, labels, ref, ref_labels, mining=mining).backward()
+
+
+def with_chunk_budget(step, mib):
+    """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward; None: unset,
+    the shipped default), set before each call, as every triton provider does (one setenv: copying and
+    restoring the whole environment, as mock.patch.dict does, costs 77 us a step on this project's CPU
+    machines, inside the timed host work)."""
+    def run(x):
+        if mib is None:
+            os.environ.pop("MS_LOSS_TRITON_CHUNK_MB", None)
+        else:
+            os.environ["MS_LOSS_TRITON_CHUNK_MB"] = mib
+        step(x)
+
+    return run
+
+
+def graphed(step):
+    """`step`, captured in a CUDA graph on its first call (after warm-up runs on a side stream, as
+    torch.cuda.graphs asks) and replayed afterwards: what a training loop gets from
+    torch.cuda.make_graphed_callables or torch.compile(mode="reduce-overhead"). Each replay writes
+    x.grad in the graph's own memory."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    captured = []
+
+    def run(x):
+        if not captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    x.grad = None
+                    step(x)
+            torch.cuda.current_stream().wait_stream(side)
+            x.grad = None
+            with torch.cuda.graph(graph):
+                step(x)
+            captured.append(True)
+        graph.replay()
+
+    return run
