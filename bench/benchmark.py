@@ -87,8 +87,8 @@ def measure_cpu(provider, batch, args):
     warm = time.perf_counter() - start
     peak_mib = peak_rss_mib()
     times = []
-    # at least --repeats runs; short steps repeat for 1 s (up to 100 runs): at B = 1024 a single
-    # 10 ms step moves by 30% between runs on this shared VM
+    # at least --repeats runs; short steps repeat for 1 s (up to 100 runs): a single short step's time
+    # moves a lot between runs on a shared machine
     while (len(times) < args.repeats or (sum(times) < 1.0 and len(times) < 100)) \
             and sum(times) + warm < args.max_seconds:
         x.grad = None
@@ -150,11 +150,25 @@ def measure_cuda(provider, inputs, args):
 
 
 # ---- the driver ---------------------------------------------------------------------------------
+def build_name():
+    """The checkout's commit, with "+ uncommitted changes" where its tracked files differ; "unknown"
+    outside a git checkout (a copy of the tree)."""
+    def git(*command):
+        return subprocess.run(["git", *command], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown"
+    return commit + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def machine_info():
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "platform": platform.platform(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    info = {"build": build_name(), "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "platform": platform.platform(), "cores": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d")}
     try:
         import pytorch_metric_learning
 

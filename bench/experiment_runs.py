@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmark import build_name  # (bench/, this module's folder)
 
 
 def run_setting(name, batch, extra, steps, seed, args):
@@ -34,11 +34,7 @@ def machine_info(device):
     info = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "device": device,
             "date": time.strftime("%Y-%m-%d")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=HERE).stdout.strip()
-    info["build"] = (commit or "unknown") + (" + uncommitted changes" if dirty else "")
+    info["build"] = build_name()
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info

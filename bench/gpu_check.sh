@@ -1,30 +1,32 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a GPU, a CUDA build of torch, triton and nvcc:
 #   bench/gpu_check.sh DIR [STEP ...]      (make gpu-check DIR=...)
-# Default steps, in order (about 9 minutes, estimated from each step's last time on an H100 or H200):
-# build (the CUDA kernels, for this GPU's architecture), tests (the test suite on CUDA tensors,
-# without the static compile checks and the CPU emulation of CUDA, which need no GPU), sanitize
-# (compute-sanitizer memcheck, racecheck, synccheck on small cases of every kernel, the triton
-# backend's fused and chunked backward both), bench (bench/benchmark.py for float16, bfloat16 and
-# float32: self case B = 4096, 16384, 65536 and the memory bank 1024 x 262144 and 1024 x 1048576,
-# D = 512; BENCH_DTYPES picks from "float16 bfloat16 float32 float32-tf32", the last float32 under
-# TF32), kernels (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend,
-# of the same with its fused backward and of the cuda backend, against the step's wall time and host time,
-# and where the GPU waits inside 10 steps timed from an idle GPU;
-# bench/host_time.py: the host's time of a triton step, two ways; with BEFORE=another checkout,
-# bench/host_time_versus.py: this checkout's step and that one's, taking turns).
-# On request: tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates
-# too, about 1.5 minutes a dtype; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes;
-# a later bench step of the same DIR adds the triton-tuned providers, the sweep's winners at B = 16384,
-# so that "tune bench" sweeps and times them in one call), profile (Nsight Compute on one float16 step
-# of each fused backend at B = 16384).
+# Default steps, in order, meant to fit one call of under 8 minutes (estimated, not yet run as one):
+# build (the CUDA kernels, for this GPU's architecture), bench (every figure of docs/benchmarks.md's
+# targets side by side, D = 512: float16 B = 1024, 4096, 16384, 65536 and the memory banks 1024 x
+# 262144 and 1024 x 1048576 for matmul4, triton, triton-graph, compiled (torch.compile of the dense
+# loss) and pml; the CUDA graphs of both, compiled-graph beside triton-graph, at B = 4096 and 16384;
+# float32 at B = 16384; CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, against
+# pytorch-metric-learning's; BENCH_DTYPES="bfloat16 float32-tf32" adds those dtypes' full runs), kernels
+# (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend, KERNEL_PROVIDERS
+# adds triton-fused and cuda, and where the GPU waits inside 10 steps timed from an idle GPU; bench/host_time.py: the host's time to issue a triton step; with BEFORE=another
+# checkout, bench/host_time_versus.py: this checkout's step and that one's, taking turns).
+# On request (a second call): tests (the test suite on CUDA tensors, without the static compile
+# checks and the CPU emulation of CUDA, which need no GPU), sanitize (compute-sanitizer memcheck,
+# racecheck, synccheck on small cases of every kernel, the triton backend's fused and chunked backward
+# both), tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates too,
+# about 1.5 minutes a dtype; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other
+# dtypes; a later bench step of the same DIR adds the triton-tuned providers, the sweep's winners at
+# B = 16384), profile (Nsight Compute on one float16 step of each fused backend at B = 16384),
+# experiment (bench/kanji_experiment.py --device cuda: the kanji experiment at a GPU's batch and
+# memory sizes, estimated at under 5 minutes; kanjivg wheels in .whl/ for a machine without a registry).
 # Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero
 # when a step failed. STEP_LIMIT (s) caps each step.
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
 DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench kernels profile]}
 shift
-STEPS=${*:-build tests sanitize bench kernels}  # tune, profile: on request
+STEPS=${*:-build bench kernels}  # tests, sanitize, tune, profile: on request
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)  # (relative to the caller's directory)
 cd "$(dirname "$0")/.."
@@ -33,9 +35,9 @@ failed=0
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 # The system compiler for every C++ build (the extension, and torch's JIT builds such as the tests'
-# CUDA emulation), not the one Python's sysconfig names: on the GPU image (2026-11-22) that is a GCC
-# in /opt/gcc that links libstdc++ statically into the module, whose private iostreams then crash
-# the process on the first error message that prints a number.
+# CUDA emulation), not the one Python's sysconfig names: on the GPU machines that is a GCC in /opt/gcc
+# that links libstdc++ statically into the module, whose private iostreams then crash the process on
+# the first error message that prints a number.
 export CC=gcc CXX=g++ LDSHARED="gcc -shared" LDCXXSHARED="g++ -shared"
 if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_metric_learning" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/ms_loss_site .whl/*.whl
@@ -65,7 +67,7 @@ for step in $STEPS; do
       echo "build: _C.so carries its own libstdc++ (linked statically)" | tee -a "$DIR/summary.txt"; failed=1
     fi ;;
   tests)
-    xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 12")  # (147 s on the H200's 16 cores)
+    xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 12")
     run_step tests 900 $PY -m pytest -q -rs $xdist tests --ignore=tests/test_triton_compile.py \
       --ignore=tests/test_cuda_compile.py -k "not cuda_emulated" --junitxml="$DIR/tests.xml" ;;
   sanitize)
@@ -81,22 +83,36 @@ for step in $STEPS; do
       --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --out "$DIR/tune.json" ;;
   bench)
     tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
-    for dtype in ${BENCH_DTYPES:-float16 bfloat16 float32}; do
-      providers=  # (IEEE float32 steps take 0.01-2.6 s: no CUDA-graph cells, whose point is the host's share)
-      [ "$dtype" = float32 ] && providers="--providers matmul4 reference triton triton-fused cuda pml $tuned"
-      run_step "bench-$dtype" 900 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
+    run_step bench-float16 420 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 1024 4096 16384 65536 \
+      --bank 262144 1048576 --providers matmul4 triton triton-graph compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
+      --repeats 15 --max-seconds 10 --out "$DIR/bench-float16"
+    run_step bench-graphs 240 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 \
+      --providers triton-graph compiled-graph --repeats 15 --out "$DIR/bench-graphs"
+    run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
+      --providers matmul4 triton compiled pml --repeats 5 --out "$DIR/bench-float32"
+    for dtype in float16 float32; do
+      run_step "bench-xbm-$dtype" 120 $PY bench/memory_benchmark.py --device cuda --dtype $dtype --providers ours pml \
+        --out "$DIR/bench-xbm-$dtype"
+    done
+    for dtype in ${BENCH_DTYPES:-}; do  # (full runs of other dtypes, on request)
+      run_step "bench-$dtype" 600 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
         $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
-        --max-seconds 10 $providers ${tuned:+--tuned "$DIR/tune.json"} --out "$DIR/bench-$dtype"
+        --max-seconds 10 --out "$DIR/bench-$dtype"
     done ;;
   kernels)
-    run_step kernels 300 $PY bench/kernel_times.py --dtype float16 --shapes 4096 16384 1024x1048576 --idle 10 \
-      --providers triton triton-fused cuda
-    run_step host-time 300 $PY bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512 \
-      --steps 50 --rounds 3 --out "$DIR/host-time.txt"
-    if [ -n "${BEFORE:-}" ]; then  # another checkout (an earlier build) carried along: the two side by side
+    run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 16384 1024x1048576 --idle 10 \
+      --providers ${KERNEL_PROVIDERS:-triton}
+    for batch in 1024 16384; do  # (the self case at B and a bank of 262144 rows)
+      run_step "host-time-$batch" 120 $PY bench/host_time.py --device cuda --batch $batch --ref-rows 262144 \
+        --dim 512 --steps 50 --rounds 3 --out "$DIR/host-time-$batch.txt"
+    done
+    if [ -n "${BEFORE:-}" ]; then  # another checkout carried along: the two side by side
       run_step host-time-versus 300 $PY bench/host_time_versus.py "$BEFORE" --device cuda --batch 16384 \
         --ref-rows 65536 --dim 512 --turns 10 --out "$DIR/host-time-versus.txt"
     fi ;;
+  experiment)
+    run_step experiment 600 $PY bench/kanji_experiment.py --device cuda --data "$DIR/kanji-data" \
+      --out "$DIR/experiment-gpu" ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \

@@ -1,45 +1,96 @@
-"""Peak memory and time of one training step with a full CrossBatchMemory on CPU: a memory of 65536
-rows, a batch of 1000, D = 512 (issue target: under 1 GB above the inputs), fused CPU backend. The
-memory is filled directly (what 66 earlier steps would have stored), then one step runs.
+"""One training step's loss with a full cross-batch memory: ms_loss_cuda's CrossBatchMemory against
+pytorch-metric-learning's CrossBatchMemory (MultiSimilarityLoss + MultiSimilarityMiner), a batch of
+--batch rows against a memory of --size (XBM's: 1000 against 55,000 at D = 512 by default). Each
+memory is filled directly with what earlier steps would have stored, then the step (forward +
+backward of the batch's embeddings, the batch enqueued) is timed.
+On CPU one step, its peak resident memory above the inputs; on CUDA the median of --repeats steps
+between CUDA events after two warm-up steps, and torch.cuda.max_memory_allocated above the inputs.
     python bench/memory_benchmark.py --out bench/results/memory
+    python bench/memory_benchmark.py --device cuda --dtype float16 --providers ours pml --out DIR
 """
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
 
-from benchmark import track_peak_rss  # (bench/ is on the path of a script run from it)
+from benchmark import machine_info, track_peak_rss  # (bench/ is on the path of a script run from it)
 from ms_loss_cuda import CrossBatchMemory
+
+PROVIDERS = ("ours", "pml")
+
+
+def filled_memory(provider, args, rows, labels):
+    """A step function for `provider` whose memory holds `rows` (already normalised) and `labels`."""
+    if provider == "ours":
+        memory = CrossBatchMemory(args.size, args.dim, backend="auto").to(rows.device)
+        memory.embeddings, memory.labels = rows.clone(), labels.clone()
+        memory.ids = torch.arange(args.size, device=rows.device)
+        memory.filled = args.size
+        return lambda x, y, ids: memory(x, y, ids)
+    from pytorch_metric_learning import losses, miners
+
+    memory = losses.CrossBatchMemory(losses.MultiSimilarityLoss(), args.dim, memory_size=args.size,
+                                     miner=miners.MultiSimilarityMiner())
+    memory.embedding_memory, memory.label_memory = rows.clone(), labels.clone()
+    memory.has_been_filled = True
+    return lambda x, y, ids: memory(x, y)
+
+
+def measure(provider, args):
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.nn.functional.normalize(torch.randn(args.size, args.dim, generator=gen), dim=1).to(device, dtype)
+    labels = (torch.arange(args.size) // 4).to(device)
+    x = torch.randn(args.batch, args.dim, generator=gen).to(device, dtype).requires_grad_()
+    y = torch.randint(0, args.size // 4, (args.batch,), generator=gen).to(device)
+    ids = torch.arange(args.size, args.size + args.batch, device=device)
+    step = filled_memory(provider, args, rows, labels)
+    if device.type == "cpu":
+        peak = track_peak_rss()
+        start = time.perf_counter()
+        step(x, y, ids).backward()
+        return dict(seconds=time.perf_counter() - start, peak_extra_mib=peak())
+    for _ in range(2):  # (warm-up: compiles)
+        x.grad = None
+        step(x, y, ids).backward()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        x.grad = None
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step(x, y, ids).backward()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return dict(seconds=statistics.median(times), peak_extra_mib=(torch.cuda.max_memory_allocated() - base) / 2**20)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=65536)
+    parser.add_argument("--size", type=int, default=55000)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--providers", nargs="+", default=["ours"], choices=PROVIDERS)
+    parser.add_argument("--repeats", type=int, default=10, help="CUDA: timed steps")
     parser.add_argument("--out", default="bench/results/memory")
     args = parser.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    classes = args.size // 4
-    memory = CrossBatchMemory(args.size, args.dim, backend="cpu")
-    memory.embeddings.copy_(torch.nn.functional.normalize(torch.randn(args.size, args.dim, generator=gen), dim=1))
-    memory.labels.copy_(torch.arange(args.size) // 4)
-    memory.ids.copy_(torch.arange(args.size))
-    memory.filled = args.size
-    x = torch.randn(args.batch, args.dim, generator=gen).requires_grad_()
-    labels = torch.randint(0, classes, (args.batch,), generator=gen)
-    ids = torch.arange(args.size, args.size + args.batch)
-    peak_rss_mib = track_peak_rss()
-    start = time.perf_counter()
-    memory(x, labels, ids).backward()
-    result = dict(vars(args), seconds=time.perf_counter() - start, peak_extra_mib=peak_rss_mib(),
-                  threads=torch.get_num_threads(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
-    print(result)
+    results = []
+    for provider in args.providers:
+        result = dict(provider=provider, batch=args.batch, size=args.size, dim=args.dim, device=args.device,
+                      dtype=args.dtype, **measure(provider, args))
+        print(f"{provider:5s} {result['seconds'] * 1e3:9.3f} ms  {result['peak_extra_mib']:8.0f} MiB", flush=True)
+        results.append(result)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump({"machine": machine_info(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

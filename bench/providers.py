@@ -127,8 +127,8 @@ def compiled_step(labels, ref, ref_labels, mining, graphs=False):
 def with_chunk_budget(step, mib):
     """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward; None: unset,
     the shipped default), set before each call, as every triton provider does (one setenv: copying and
-    restoring the whole environment, as mock.patch.dict does, costs 77 us a step on this project's CPU
-    machines, inside the timed host work)."""
+    restoring the whole environment, as mock.patch.dict does, would add host time to every timed
+    step)."""
     def run(x):
         if mib is None:
             os.environ.pop("MS_LOSS_TRITON_CHUNK_MB", None)

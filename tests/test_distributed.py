@@ -106,7 +106,7 @@ def _runnable(config):
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory):
     """{configuration: [each rank's (loss, parameter gradients) per step]} from one pair of processes
-    that runs every configuration this machine can (a pair for each took about 13 s to start)."""
+    that runs every configuration this machine can (a pair of processes is slow to start)."""
     configs = [config for config in range(len(CONFIGS)) if _runnable(config)]
     out = str(tmp_path_factory.mktemp("distributed"))
     context, port = mp.get_context("spawn"), _free_port()

@@ -160,10 +160,10 @@ def test_negatives_above_base_in_every_tile(target, case, mining):
     """Every row leans towards one shared direction, so that pairs of different classes reach S = 0.5
     to 0.95, above base: the negatives' exponents beta (S - base) are positive in every tile and their
     largest keeps rising along a column split (B = 300: under the interpreter the self case's launch
-    has three splits of two tiles, the reference set's three of one). The online log-sum-exp must rescale what it summed before each new largest, and the
-    splits' sums when it combines them; in the other tests the exponents mostly stay below 0, where
-    the shift stays 0 and a missing rescale changes nothing (each was caught by one case of
-    test_sizes alone)."""
+    has three splits of two tiles, the reference set's three of one). The online log-sum-exp must
+    rescale what it summed before each new largest, and the splits' sums when it combines them; in the
+    other tests the exponents mostly stay below 0, where the shift stays 0 and a missing rescale
+    changes nothing (test_sizes catches each with one case at most)."""
     kwargs = build_case(case, 300, 16, torch.float32, seed=9)
     lean = F.normalize(torch.randn(16, generator=torch.Generator().manual_seed(2)), dim=0)
     for key in ("embeddings", "ref_embeddings"):
@@ -417,7 +417,7 @@ def test_a_reference_set_that_is_the_batch_tensor_itself(target):
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
 def test_steep_weights_and_zero_grad_outputs_stay_finite(target, case):
     """beta = 300 makes exp(beta (maxneg - base)) overflow float32 for anchors whose sets are empty;
-    with some grad_outputs 0 the per-row lift must still be finite (it was NaN: 0 * inf)."""
+    with some grad_outputs 0 the per-row lift must still be finite (0 * inf would make it NaN)."""
     kwargs = build_case(case, 61, 16, torch.float32, seed=33)
     gen = torch.Generator().manual_seed(4)
     zeros = (torch.rand(61, generator=gen) < 0.5).double()

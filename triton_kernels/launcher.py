@@ -250,7 +250,7 @@ def run(plan, device, *args, **kwargs):
     products into 16-bit ones)."""
     *outputs, launches = plan(*args, **kwargs)
     with _on(device):
-        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):  # (entered only then: 10-20 us)
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):  # (entered only then: host time)
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 issue(launches)
         else:

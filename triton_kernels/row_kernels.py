@@ -146,7 +146,7 @@ def _search(sorted_ptr, key, num, steps, ok, RIGHT: tl.constexpr):
 def label_order_kernel(sorted_ptr, order_ptr, saved_ptr, ranks_ptr, range_ptr, rows_ptr, ordered_ptr, ids_ptr,
                        ordered_ids_ptr, num, segment, segments, steps, block_m, dim, ROWS: tl.constexpr,
                        IDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`label_order` after its sort, in one launch where torch's ops took six. The sort: `segments` rows
+    """`label_order` after its sort, in one launch where torch's ops take six. The sort: `segments` rows
     of `segment` keys, each sorted stably on its own (sorted keys, each one's int64 index in its row;
     the last row's slots from num on are padding, sorted last). Each key's position p in the stable
     order of all num keys: its place in its row, plus the keys before it in each other row (in rows
