@@ -1,32 +1,39 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a GPU, a CUDA build of torch, triton and nvcc:
 #   bench/gpu_check.sh DIR [STEP ...]      (make gpu-check DIR=...)
-# Default steps, in order, meant to fit one call of under 8 minutes (estimated, not yet run as one):
-# build (the CUDA kernels, for this GPU's architecture), bench (every figure of docs/benchmarks.md's
-# targets side by side, D = 512: float16 B = 1024, 4096, 16384, 65536 and the memory banks 1024 x
-# 262144 and 1024 x 1048576 for matmul4, triton, triton-graph, compiled (torch.compile of the dense
-# loss) and pml; the CUDA graphs of both, compiled-graph beside triton-graph, at B = 4096 and 16384;
-# float32 at B = 16384; CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, against
-# pytorch-metric-learning's; BENCH_DTYPES="bfloat16 float32-tf32" adds those dtypes' full runs), kernels
-# (bench/kernel_times.py: each kernel's time in one float16 step of the triton backend, KERNEL_PROVIDERS
-# adds triton-fused and cuda, and where the GPU waits inside 10 steps timed from an idle GPU; bench/host_time.py: the host's time to issue a triton step; with BEFORE=another
-# checkout, bench/host_time_versus.py: this checkout's step and that one's, taking turns).
-# On request (a second call): tests (the test suite on CUDA tensors, without the static compile
-# checks and the CPU emulation of CUDA, which need no GPU), sanitize (compute-sanitizer memcheck,
-# racecheck, synccheck on small cases of every kernel, the triton backend's fused and chunked backward
-# both), tune (bench/tune_triton.py: the Triton tile sweep, the chunked backward's candidates too,
-# about 1.5 minutes a dtype; TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other
-# dtypes; a later bench step of the same DIR adds the triton-tuned providers, the sweep's winners at
-# B = 16384), profile (Nsight Compute on one float16 step of each fused backend at B = 16384),
-# experiment (bench/kanji_experiment.py --device cuda: the kanji experiment at a GPU's batch and
-# memory sizes, estimated at under 5 minutes; kanjivg wheels in .whl/ for a machine without a registry).
+# Default steps, in order, meant to fit one call of under 8 minutes: build (the CUDA kernels, for this
+# GPU's architecture), accuracy, bench, host, kernels. Steps:
+#   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
+#     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
+#     and bfloat16;
+#   bench: the speed targets side by side, D = 512, as four parts that can also be named alone:
+#     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
+#       for matmul4 (the GEMM floor), triton, triton-graph, compiled (torch.compile of the dense loss), pml;
+#     bench-float32: B = 16384 for matmul4, triton, compiled, pml;
+#     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
+#     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
+#   bench-dtypes (on request): full runs of BENCH_DTYPES (default "bfloat16 float32-tf32");
+#   host: bench/host_time.py (the host's time to issue a step, B = 1024 and 16384, and a bank's); with
+#     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
+#   kernels: bench/kernel_times.py (each kernel's time in one float16 step of the triton backend;
+#     KERNEL_PROVIDERS adds triton-fused and cuda; where the GPU waits inside 10 steps timed from an
+#     idle GPU);
+#   on request: tests (the suite, or the files in TESTS, on CUDA tensors, without the static compile
+#     checks and the CPU emulation of CUDA, which need no GPU), sanitize (compute-sanitizer memcheck,
+#     racecheck, synccheck on small cases of every kernel, the triton backend's fused and chunked
+#     backward both), tune (bench/tune_triton.py: the Triton tile sweep, about 1.5 minutes a dtype;
+#     TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes; a later
+#     bench-float16 of the same DIR adds the triton-tuned providers), profile (Nsight Compute on one
+#     float16 step of each fused backend at B = 16384), experiment (bench/kanji_experiment.py --device
+#     cuda, estimated at under 5 minutes; kanjivg wheels in .whl/ for a machine without a registry).
 # Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero
-# when a step failed. STEP_LIMIT (s) caps each step.
+# when a step failed. STEP_LIMIT (s) caps each step; DEADLINE (s) the whole check, whose steps past it are
+# skipped (so that what a lease's call ran comes back with time to spare).
 # pytorch-metric-learning wheels in .whl/ (a machine without a registry) are installed first.
 set -uo pipefail
-DIR=${1:?usage: bench/gpu_check.sh DIR [build tests sanitize tune bench kernels profile]}
+DIR=${1:?usage: bench/gpu_check.sh DIR [STEP ...]}
 shift
-STEPS=${*:-build bench kernels}  # tests, sanitize, tune, profile: on request
+STEPS=${*:-build accuracy bench host kernels}  # the others: on request
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)  # (relative to the caller's directory)
 cd "$(dirname "$0")/.."
@@ -46,12 +53,45 @@ fi
 
 run_step() {  # name, time limit (s), command...: log to DIR/name.log, one line to summary.txt
   local name=$1 limit=$(( $2 < ${STEP_LIMIT:-900} ? $2 : ${STEP_LIMIT:-900} )) start=$SECONDS
+  local left=$(( ${DEADLINE:-100000} - SECONDS ))  # (DEADLINE: see the header)
   shift 2
+  if [ $left -lt 20 ]; then
+    echo "$name: skipped, past DEADLINE" | tee -a "$DIR/summary.txt"; failed=1; return
+  fi
+  limit=$(( limit < left ? limit : left ))
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 0 ] || failed=1
   echo "$name: exit $rc, $((SECONDS - start)) s" | tee -a "$DIR/summary.txt"
   tail -n 4 "$DIR/$name.log"
+}
+
+bench_step() {  # one of the bench step's parts (see the header)
+  case $1 in
+  bench-float16)
+    tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
+    run_step bench-float16 420 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 1024 4096 16384 65536 \
+      --bank 262144 1048576 --providers matmul4 triton triton-graph compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
+      --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
+  bench-float32)
+    run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
+      --providers matmul4 triton compiled pml --repeats 5 --out "$DIR/bench-float32" ;;
+  bench-xbm)
+    for dtype in float16 float32; do
+      run_step "bench-xbm-$dtype" 120 $PY bench/memory_benchmark.py --device cuda --dtype $dtype --providers ours pml \
+        --out "$DIR/bench-xbm-$dtype"
+    done ;;
+  bench-graphs)
+    run_step bench-graphs 240 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 \
+      --providers triton-graph compiled-graph --repeats 15 --out "$DIR/bench-graphs" ;;
+  bench-dtypes)
+    for dtype in ${BENCH_DTYPES:-bfloat16 float32-tf32}; do
+      run_step "bench-$dtype" 600 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
+        $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
+        --max-seconds 10 --out "$DIR/bench-$dtype"
+    done ;;
+  *) echo "unknown step $1" | tee -a "$DIR/summary.txt"; failed=1 ;;
+  esac
 }
 
 { nvidia-smi; $PY -c "import torch, triton, sys; print(sys.version); print('torch', torch.__version__, 'cuda', \
@@ -68,7 +108,7 @@ for step in $STEPS; do
     fi ;;
   tests)
     xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 12")
-    run_step tests 900 $PY -m pytest -q -rs $xdist tests --ignore=tests/test_triton_compile.py \
+    run_step tests 900 $PY -m pytest -q -rs $xdist ${TESTS:-tests} --ignore=tests/test_triton_compile.py \
       --ignore=tests/test_cuda_compile.py -k "not cuda_emulated" --junitxml="$DIR/tests.xml" ;;
   sanitize)
     for backend in cuda triton; do
@@ -81,27 +121,16 @@ for step in $STEPS; do
   tune)
     run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} \
       --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --out "$DIR/tune.json" ;;
-  bench)
-    tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
-    run_step bench-float16 420 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 1024 4096 16384 65536 \
-      --bank 262144 1048576 --providers matmul4 triton triton-graph compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
-      --repeats 15 --max-seconds 10 --out "$DIR/bench-float16"
-    run_step bench-graphs 240 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 \
-      --providers triton-graph compiled-graph --repeats 15 --out "$DIR/bench-graphs"
-    run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
-      --providers matmul4 triton compiled pml --repeats 5 --out "$DIR/bench-float32"
-    for dtype in float16 float32; do
-      run_step "bench-xbm-$dtype" 120 $PY bench/memory_benchmark.py --device cuda --dtype $dtype --providers ours pml \
-        --out "$DIR/bench-xbm-$dtype"
-    done
-    for dtype in ${BENCH_DTYPES:-}; do  # (full runs of other dtypes, on request)
-      run_step "bench-$dtype" 600 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
-        $([ "$dtype" = float32-tf32 ] && echo --tf32) --sizes 4096 16384 65536 --bank 262144 1048576 \
-        --max-seconds 10 --out "$DIR/bench-$dtype"
-    done ;;
+  bench)  # (all four in this order; each can also be named alone)
+    for sub in bench-float16 bench-float32 bench-xbm bench-graphs; do bench_step $sub; done ;;
+  bench-*) bench_step "$step" ;;
   kernels)
     run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 16384 1024x1048576 --idle 10 \
-      --providers ${KERNEL_PROVIDERS:-triton}
+      --providers ${KERNEL_PROVIDERS:-triton} ;;
+  accuracy)  # the triton backend's error against the float64 reference at the benchmark's sizes
+    run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
+      --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt" ;;
+  host)
     for batch in 1024 16384; do  # (the self case at B and a bank of 262144 rows)
       run_step "host-time-$batch" 120 $PY bench/host_time.py --device cuda --batch $batch --ref-rows 262144 \
         --dim 512 --steps 50 --rounds 3 --out "$DIR/host-time-$batch.txt"

@@ -1,0 +1,80 @@
+"""How far a backend's loss and gradient are from the float64 reference at the benchmark's sizes and
+data (bench/providers.py: make_inputs), for each dtype and float32 matmul precision asked for.
+
+The parity suite (tests/) checks every backend at small sizes within fixed tolerances; this measures
+the error where the benchmark times, where sums run over tens of thousands of pairs. Errors are
+relative: |loss - ref| / |ref|, and for the gradient the largest |dx - dx_ref| over the largest
+|dx_ref| (the scale the parity suite uses) and the norm of the difference over the norm of dx_ref.
+The reference runs in float64 on the same device (the B x R matrix in memory).
+
+    python bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
+        --dtypes float32 float16 bfloat16 --precisions highest high --out bench/results/gpu/accuracy.txt
+"""
+import argparse
+import time
+
+import torch
+
+import ms_loss_cuda
+from providers import make_inputs  # (bench/, this script's folder)
+
+
+def loss_and_grad(x, labels, ref, ref_labels, backend):
+    x = x.detach().clone().requires_grad_()
+    loss = ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend=backend)
+    loss.backward()
+    return loss.detach().double(), x.grad.double()
+
+
+def errors(backend, dtype, batch, ref_rows, device, dim):
+    x, labels, ref, ref_labels = make_inputs(batch, dim, ref_rows=ref_rows, device=device)
+    x, ref = x.to(dtype), None if ref is None else ref.to(dtype)
+    loss, grad = loss_and_grad(x, labels, ref, ref_labels, backend)
+    # the reference sees the same (rounded) inputs, in float64
+    ref_loss, ref_grad = loss_and_grad(x.double(), labels, None if ref is None else ref.double(), ref_labels,
+                                       "reference")
+    return {"loss": (abs(loss - ref_loss) / abs(ref_loss)).item(),
+            "grad_max": ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item(),
+            "grad_norm": ((grad - ref_grad).norm() / ref_grad.norm()).item(),
+            "finite": bool(torch.isfinite(loss) and torch.isfinite(grad).all())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[1024])
+    parser.add_argument("--bank", type=int, nargs="*", default=[], metavar="R",
+                        help="memory banks of R rows against --bank-batch anchors")
+    parser.add_argument("--bank-batch", type=int, default=1024)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--precisions", nargs="+", default=["highest"], choices=("highest", "high", "medium"),
+                        help="torch.set_float32_matmul_precision for the float32 runs (highest is torch's default)")
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args()
+
+    shapes = [(b, None) for b in args.sizes] + [(args.bank_batch, r) for r in args.bank]
+    lines = [f"{args.backend} against the float64 reference, D = {args.dim}, {args.device} "
+             f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d')}",
+             f"{'dtype':<18} {'shape':>16} {'loss':>9} {'dx (max)':>9} {'dx (norm)':>9}  finite"]
+    print("\n".join(lines), flush=True)
+    runs = [(d, p) for d in args.dtypes for p in (args.precisions if d == "float32" else ["highest"])]
+    for dtype, precision in runs:
+        torch.set_float32_matmul_precision(precision)
+        name = dtype + (f" ({precision})" if dtype == "float32" else "")
+        for batch, ref_rows in shapes:
+            e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim)
+            shape = f"{batch}" if ref_rows is None else f"{batch} x {ref_rows}"
+            lines.append(f"{name:<18} {shape:>16} {e['loss']:>9.2g} {e['grad_max']:>9.2g} {e['grad_norm']:>9.2g}"
+                         f"  {e['finite']}")
+            print(lines[-1], flush=True)
+    torch.set_float32_matmul_precision("highest")
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
