@@ -101,8 +101,8 @@ def measure_cpu(provider, batch, args):
 
 def measure_cuda(provider, inputs, args):
     """In this process: median of CUDA-event timings after a warm-up, peak allocation above the inputs
-    during the warm-up (a compiled provider's three calls: the compile, and with mode="reduce-overhead"
-    the CUDA graph's warm-up and recording)."""
+    during the warm-up's three calls (the compiles; the CUDA graphs' warm-up and recording, and what
+    they keep)."""
     import statistics
 
     import torch
@@ -123,7 +123,9 @@ def measure_cuda(provider, inputs, args):
     run()  # the warm-up: compiles, and measures the peak
     torch.cuda.synchronize()
     first = time.perf_counter() - start
-    for _ in range(2 if provider in COMPILED else 0):  # torch's CUDA graphs: a warm-up call, then the recording
+    # two more: CUDA graphs (torch's, and the triton backend's replay) record at the second call and
+    # replay from the third; what they keep between steps is in the peak
+    for _ in range(2):
         run()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
     times = []

@@ -4,7 +4,8 @@ pytorch-metric-learning's CrossBatchMemory (MultiSimilarityLoss + MultiSimilarit
 memory is filled directly with what earlier steps would have stored, then the step (forward +
 backward of the batch's embeddings, the batch enqueued) is timed.
 On CPU one step, its peak resident memory above the inputs; on CUDA the median of --repeats steps
-between CUDA events after two warm-up steps, and torch.cuda.max_memory_allocated above the inputs.
+between CUDA events after three warm-up steps, and torch.cuda.max_memory_allocated above the inputs
+from the first warm-up step on.
     python bench/memory_benchmark.py --out bench/results/memory
     python bench/memory_benchmark.py --device cuda --dtype float16 --providers ours pml --out DIR
 """
@@ -53,12 +54,12 @@ def measure(provider, args):
         start = time.perf_counter()
         step(x, y, ids).backward()
         return dict(seconds=time.perf_counter() - start, peak_extra_mib=peak())
-    for _ in range(2):  # (warm-up: compiles)
-        x.grad = None
-        step(x, y, ids).backward()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):  # (warm-up: compiles; CUDA graphs record at the second call: their memory is in the peak)
+        x.grad = None
+        step(x, y, ids).backward()
     times = []
     for _ in range(args.repeats):
         x.grad = None

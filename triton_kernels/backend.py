@@ -2,25 +2,15 @@
 
 An eager call takes `op.eager_loss`, one autograd node; a traced call (torch.compile, export, fake
 tensors) takes the custom ops through the common path, whose normalisation the compiler fuses
-itself. Both get their keys as the kernels compare them: int32 ranks, made once here for both ops
-(the self case's labels excepted: the forward's one sort ranks them, operands.label_order).
+itself. Both get their keys as the kernels compare them: int32 ranks, made once for both ops
+(operands.ranked_keys).
 """
 import torch
 
 from .. import ops
 from ..common import GPU_DTYPES, HYPER_PARAMETERS, Backend, loss_dtype, unit_rows
 from . import launcher, op
-from .operands import int32_keys
-
-
-def _keys(labels, ids, ref, ref_labels, ref_ids):
-    """(labels, ids, ref, ref_labels, ref_ids) with the keys as the kernels compare them."""
-    if ref is not None:
-        labels, ref_labels = int32_keys(labels, ref_labels)
-    if ids is not None:
-        ids, ranked = int32_keys(ids, ids if ref_ids is None else ref_ids)
-        ref_ids = None if ref_ids is None else ranked
-    return labels, ids, ref, ref_labels, ref_ids
+from .operands import ranked_keys
 
 
 class TritonBackend(Backend):
@@ -48,12 +38,12 @@ class TritonBackend(Backend):
 
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
         hyper_parameters = [options[name] for name in HYPER_PARAMETERS]
-        return op.fused_forward(x, *_keys(labels, ids, ref, ref_labels, ref_ids), *hyper_parameters)[0]
+        return op.fused_forward(x, *ranked_keys(labels, ids, ref, ref_labels, ref_ids), *hyper_parameters)[0]
 
     def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
         if ops.traced():
             return super().loss(embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction)
-        return op.eager_loss(embeddings, *_keys(labels, ids, ref, ref_labels, ref_ids),
+        return op.eager_loss(embeddings, labels, ids, ref, ref_labels, ref_ids,
                              [options[name] for name in HYPER_PARAMETERS], normalize, reduction, loss_dtype(embeddings))
 
 

@@ -21,7 +21,8 @@ from ..common import check_inputs, nan_if_nonfinite, reduce_losses
 from .backward import Reorder, backward_plan
 from .forward import forward_plan, forward_plan_keeping_rows
 from .launcher import run
-from .operands import SAVED_ROWS
+from . import replay
+from .operands import SAVED_ROWS, ranked_keys
 from .row_kernels import scaled_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 
@@ -122,6 +123,69 @@ def _kept_float32_one(device):
     return one
 
 
+def _normalized(x, ref, normalize):
+    """(a, a_norm, a_finite, b, b_norm, b_finite): the rows the loss compares, normalised by
+    unit_rows_plan where `normalize` (else as given, the rest None)."""
+    a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
+    b, b_norm, b_finite = ref, None, None
+    if normalize and ref is not None:
+        b, b_norm, b_finite = run(unit_rows_plan, x.device, ref.contiguous())
+    return a, a_norm, a_finite, b, b_norm, b_finite
+
+
+def _reduced(losses, reduction, dtype, x, ref, finite):
+    """The loss as multi_similarity_loss returns it: reduced, NaN where an input row is not finite, in
+    `dtype`. `finite`: unit_rows_plan's counts of rows with a NaN or an infinity (None for each input
+    when the rows were not normalised: then nan_if_nonfinite looks at the inputs)."""
+    loss = reduce_losses(losses, reduction)
+    if all(f is None for f in finite):
+        return nan_if_nonfinite(loss, x, ref).to(dtype)
+    for count in finite:
+        loss = loss if count is None else torch.add(loss, count.sum())
+    return loss.to(dtype)
+
+
+def _forward_step(x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize):
+    """The eager forward's launches: (losses, stats, rows in label order, saved), `saved` what the
+    backward reads (see `_gradients`)."""
+    labels, ids, ref, ref_labels, ref_ids = ranked_keys(labels, ids, ref, ref_labels, ref_ids)
+    a, a_norm, a_finite, b, b_norm, b_finite = _normalized(x, ref, normalize)
+    losses, stats, rows_in_label_order = run(forward_plan_keeping_rows, x.device, a, labels, ids, b, ref_labels,
+                                             ref_ids, *hyper_parameters)
+    saved = (a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
+    return losses, (a_finite, b_finite), rows_in_label_order, saved
+
+
+def _gradients(saved, grad_loss, hyper_parameters, reduction, wanted, float32=False, rows_in_label_order=None):
+    """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where `wanted` (a pair of
+    booleans) says no; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan)."""
+    a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = saved
+    batch, ref_grad = a.shape[0], b is not None and wanted[1]
+    divisor = batch if reduction == "mean" and batch else 1
+    args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters, ref_grad)
+    options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order)
+    if a_norm is None:
+        da, db = backward_of_checked_inputs(*args, **options)
+    else:  # then the normalisation's backward, from the loss's float32 gradients where they are
+        da, db, order = run(_backward_plan_in_label_order, a.device, *args, **options)
+        dtype = torch.float32 if float32 else None
+        da = run(unit_rows_grad_plan, a.device, _summed(da), a, a_norm, order, dtype)[0] if wanted[0] else None
+        db = run(unit_rows_grad_plan, a.device, _summed(db), b, b_norm, None, dtype)[0] if ref_grad else None
+    return da if wanted[0] else None, db if ref_grad else None
+
+
+def _step_with_gradients(x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype,
+                         wanted):
+    """(loss, dx, dref) of an eager call whose gradient is taken now: the forward's launches, then the
+    backward's for grad_output 1, the gradients in float32 (see `_EagerLoss`). Every launch is on
+    the GPU, without host synchronisation: what replay.call captures."""
+    losses, finite, rows_in_label_order, saved = _forward_step(x, ref, labels, ids, ref_labels, ref_ids,
+                                                               hyper_parameters, normalize)
+    ones = _float32_one(x.device).expand(x.shape[0])
+    da, db = _gradients(saved, ones, hyper_parameters, reduction, wanted, True, rows_in_label_order)
+    return _reduced(losses, reduction, dtype, x, ref, finite), da, db
+
+
 class _EagerLoss(torch.autograd.Function):
     """multi_similarity_loss on the triton backend in eager calls, one autograd node from the embeddings
     to the loss: normalisation, the forward's launches, the reduction, the finiteness check and the
@@ -133,7 +197,8 @@ class _EagerLoss(torch.autograd.Function):
     issues the backward's launches, for grad_output 1, and keeps their float32 gradients; the
     backward only multiplies them by grad_output. The GPU then runs the backward's kernels while the
     host is still returning from the forward and in the autograd engine, instead of waiting for the
-    host to issue them. The gradient stays float32 until the backward scales it
+    host to issue them, and the whole step is one sequence of launches that replay.call captures as a
+    CUDA graph and replays. The gradient stays float32 until the backward scales it
     (in 16 bits a "mean" gradient's entries of about 1/B would go subnormal before a loss scaler
     lifts them). A forward whose gradient is never taken pays for it, as in Liger-Kernel's fused
     linear cross entropy. "none" takes its backward in the backward.
@@ -143,61 +208,37 @@ class _EagerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype,
                 gradients_now):
-        a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
-        b, b_norm, b_finite = ref, None, None
-        if normalize and ref is not None:
-            b, b_norm, b_finite = run(unit_rows_plan, x.device, ref.contiguous())
-        losses, stats, rows_in_label_order = run(forward_plan_keeping_rows, x.device, a, labels, ids, b, ref_labels,
-                                                 ref_ids, *hyper_parameters)
-        saved = (x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
         ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
+        inputs = (x, ref, labels, ids, ref_labels, ref_ids)
         if gradients_now:
-            ones = _float32_one(x.device).expand(a.shape[0])
-            ctx.save_for_backward(x, ref, *_EagerLoss.gradients(ctx, saved, ones, True, rows_in_label_order))
-        else:
-            ctx.save_for_backward(*saved)
-        loss = reduce_losses(losses, reduction)
-        if not normalize:
-            return nan_if_nonfinite(loss, x, ref).to(dtype)
-        for finite in (a_finite, b_finite):  # (NaN from a row with a NaN or an infinity, as nan_if_nonfinite)
-            loss = loss if finite is None else torch.add(loss, finite.sum())
-        return loss.to(dtype)
-
-    @staticmethod
-    def gradients(ctx, saved, grad_loss, float32=False, rows_in_label_order=None):
-        """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where the input takes
-        no gradient; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan)."""
-        x, ref, a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = saved
-        batch, ref_grad = a.shape[0], ref is not None and ctx.needs_input_grad[1]
-        divisor = batch if ctx.reduction == "mean" and batch else 1
-        args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters, ref_grad)
-        options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order)
-        if a_norm is None:
-            da, db = backward_of_checked_inputs(*args, **options)
-        else:  # then the normalisation's backward, from the loss's float32 gradients where they are
-            da, db, order = run(_backward_plan_in_label_order, x.device, *args, **options)
-            dtype = torch.float32 if float32 else None
-            da = run(unit_rows_grad_plan, x.device, _summed(da), a, a_norm, order, dtype)[0] \
-                if ctx.needs_input_grad[0] else None
-            db = run(unit_rows_grad_plan, x.device, _summed(db), b, b_norm, None, dtype)[0] if ref_grad else None
-        return da if ctx.needs_input_grad[0] else None, db if ref_grad else None
+            wanted = (ctx.needs_input_grad[0], ref is not None and ctx.needs_input_grad[1])
+            options = (hyper_parameters, normalize, reduction, dtype, wanted)
+            step = lambda *tensors: _step_with_gradients(*tensors, *options)  # noqa: E731
+            if x.shape[0] * (x.shape[0] if ref is None else ref.shape[0]) <= replay.MOST_PAIRS:
+                loss, da, db = replay.call(step, inputs, (1,), options, x.device)
+            else:
+                loss, da, db = step(*inputs)
+            ctx.save_for_backward(x, ref, da, db)
+            return loss
+        losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize)
+        ctx.save_for_backward(x, ref, *saved)
+        return _reduced(losses, reduction, dtype, x, ref, finite)
 
     @staticmethod
     def backward(ctx, grad):
+        x, ref = ctx.saved_tensors[:2]
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
-            x, ref, da, db = ctx.saved_tensors
             da, db = (None if g is None else run(scaled_rows_plan, t.device, g, grad.detach(), t.dtype)[0]
-                      for g, t in ((da, x), (db, ref)))
+                      for g, t in (zip(ctx.saved_tensors[2:], (x, ref))))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
-            saved = ctx.saved_tensors
-            x, ref = saved[:2]
-            da, db = _EagerLoss.gradients(ctx, saved, grad)
+            wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            da, db = _gradients(ctx.saved_tensors[2:], grad, ctx.hyper_parameters, ctx.reduction, wanted)
         return ops.first_derivative_only((x, ref), da, db) + (None,) * 9
 
 
 def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
-    """multi_similarity_loss's result (reduced, in `dtype`) through `_EagerLoss`, for inputs it checked and
-    keys ranked as for the ops (backend.py)."""
+    """multi_similarity_loss's result (reduced, in `dtype`) through `_EagerLoss`, for inputs it checked
+    (backend.py)."""
     gradients_now = reduction != "none" and torch.is_grad_enabled() and (
         x.requires_grad or (ref is not None and ref.requires_grad))
     return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids, tuple(hyper_parameters), normalize, reduction,

@@ -43,6 +43,18 @@ def int32_keys(a, b):
     return (ranks, ranks) if a is b else (ranks[:a.shape[0]], ranks[a.shape[0]:])
 
 
+def ranked_keys(labels, ids, ref, ref_labels, ref_ids):
+    """(labels, ids, ref, ref_labels, ref_ids) with the keys as the kernels compare them (`int32_keys`),
+    ranked once before both ops (the self case's labels excepted: the forward's one sort ranks them,
+    `label_order`)."""
+    if ref is not None:
+        labels, ref_labels = int32_keys(labels, ref_labels)
+    if ids is not None:
+        ids, ranked = int32_keys(ids, ids if ref_ids is None else ref_ids)
+        ref_ids = None if ref_ids is None else ranked
+    return labels, ids, ref, ref_labels, ref_ids
+
+
 def plan_operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     """Aligned rows of one dtype, int32 identities and, for a reference set, int32 keys of both ends
     (`int32_keys`; the self case's labels as given: its label order ranks them, `label_order`).

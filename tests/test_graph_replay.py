@@ -1,0 +1,151 @@
+"""The triton backend's eager steps replayed as CUDA graphs (triton_kernels/replay.py).
+
+Without a GPU the capture is played by a stand-in whose replay runs the captured step again on the
+graph's own inputs and writes its results into the captured outputs, as a replay does: this checks
+what replay.call decides (when to capture, what it copies, what it keeps in place, what it returns)
+through the real eager path under the interpreter. With a GPU the same tests run on CUDA graphs.
+"""
+import pytest
+import torch
+
+import ms_loss_cuda
+from conftest import assert_close, make_batch
+
+triton_kernels = pytest.importorskip("ms_loss_cuda.triton_kernels")
+from ms_loss_cuda.triton_kernels import replay  # noqa: E402
+
+GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not GPU and not triton_kernels.INTERPRETED,
+                                reason="no GPU, and TRITON_INTERPRET=1 not set before the kernels were imported")
+DEVICE = "cuda" if GPU else "cpu"
+
+
+class StandInGraph:
+    """A capture without a GPU: the step runs once at capture, and again at each replay."""
+
+    def __init__(self, step, inputs):
+        self.step, self.inputs, self.replays = step, inputs, 0
+        self.outputs = step(*inputs)
+
+    def replay(self):
+        self.replays += 1
+        for mine, new in zip(self.outputs, self.step(*self.inputs)):
+            if mine is not None:
+                mine.copy_(new)
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """The graphs captured during the test (StandInGraph without a GPU, CUDA graphs with one)."""
+    made = []
+    capture = replay.capture
+
+    def recorded(step, inputs):
+        graph, outputs = (capture(step, inputs) if GPU else
+                          (lambda g: (g, g.outputs))(StandInGraph(step, inputs)))
+        made.append(graph)
+        return graph, outputs
+
+    if not GPU:
+        monkeypatch.setattr(replay, "capturable", lambda device: True)
+    monkeypatch.setattr(replay, "capture", recorded)
+    monkeypatch.delenv("MS_LOSS_CUDA_GRAPHS", raising=False)
+    replay.clear()
+    yield made
+    replay.clear()
+
+
+def loss_and_grads(x, labels, ref=None, ref_labels=None, backend="triton", **options):
+    x = x.to(DEVICE).detach().requires_grad_()
+    inputs = [x]
+    if ref is not None:
+        ref = ref.to(DEVICE).detach().requires_grad_(options.pop("ref_grad", True))
+        inputs += [ref] if ref.requires_grad else []
+    loss = ms_loss_cuda.multi_similarity_loss(x, labels.to(DEVICE), ref_embeddings=ref,
+                                              ref_labels=None if ref_labels is None else ref_labels.to(DEVICE),
+                                              backend=backend, **options)
+    loss.backward(torch.tensor(0.7, dtype=loss.dtype, device=loss.device))
+    return loss.detach(), [t.grad for t in inputs]
+
+
+def check(x, labels, ref=None, ref_labels=None, **options):
+    """The triton backend's loss and gradients against the float64 reference's."""
+    loss, grads = loss_and_grads(x, labels, ref, ref_labels, **options)
+    ref_loss, ref_grads = loss_and_grads(x.double().cpu(), labels.cpu(), None if ref is None else ref.double().cpu(),
+                                         ref_labels, backend="reference", **options)
+    assert_close(loss, ref_loss, 1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, 1e-5)
+    return loss, grads
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_shape_seen_again_is_captured_once_and_replayed_on_new_data(captures, reduction):
+    for seed in range(4):  # first call as it is, the second captures and replays, then replays
+        x, labels = make_batch(37, 16, 6, dtype=torch.float32, seed=seed)
+        check(x, labels, reduction=reduction)
+    assert len(captures) == 1
+    assert captures[0].replays == 3 if not GPU else True
+
+
+def test_a_bank_is_read_in_place_and_one_at_another_address_is_not_captured(captures):
+    x, labels = make_batch(29, 16, 5, dtype=torch.float32, seed=1)
+    bank, bank_labels = make_batch(41, 16, 5, dtype=torch.float32, seed=2)
+    bank = bank.to(DEVICE)
+    for step in range(3):
+        bank[step] = -bank[step]  # (a memory bank's enqueue: the same tensor, new rows)
+        check(x + step, labels, bank, bank_labels, ref_grad=False)
+    assert len(captures) == 1
+    banks = [bank.flip(0) * (k + 1) for k in range(2)]  # (all alive: each at its own address)
+    for other in banks:
+        check(x, labels, other, bank_labels, ref_grad=False)
+    assert len(captures) == 1
+    for k in range(3):  # new banks freed in turn: the allocator may give one the address of the last
+        check(x, labels, bank.roll(k + 1, 0), bank_labels, ref_grad=False)
+
+
+def test_results_are_copies_that_later_replays_leave_alone(captures):
+    x, labels = make_batch(33, 16, 6, dtype=torch.float32, seed=3)
+    check(x, labels)
+    loss, grads = check(x, labels)  # captured and replayed
+    kept = loss.clone(), grads[0].clone()
+    check(2 * x.flip(0), labels)  # replayed on other data
+    assert torch.equal(loss, kept[0]) and torch.equal(grads[0], kept[1])
+    # two forwards before one backward: each keeps its own gradient
+    first, second = (x.clone().to(DEVICE).requires_grad_() for _ in range(2))
+    losses = [ms_loss_cuda.multi_similarity_loss(t * s, labels.to(DEVICE), backend="triton")
+              for t, s in ((first, 1.0), (second, -1.0))]
+    sum(losses).backward()
+    for t, s in ((first, 1.0), (second, -1.0)):
+        xd = (x.double() * s).detach().requires_grad_()  # (a leaf: d/dt L(s t) = s L'(s t))
+        ms_loss_cuda.multi_similarity_loss(xd, labels, backend="reference").backward()
+        assert_close(t.grad, xd.grad * s, 1e-5)
+
+
+def test_options_and_shapes_make_their_own_graphs_and_few_are_kept(captures, monkeypatch):
+    x, labels = make_batch(31, 16, 5, dtype=torch.float32, seed=4)
+    for batch in (31, 30, 29, 28):
+        for _ in range(2):
+            check(x[:batch], labels[:batch])
+    for _ in range(2):
+        check(x, labels, alpha=3.0)
+    assert len(captures) == replay.CAPACITY + 1
+    assert len(replay._graphs) == replay.CAPACITY
+    monkeypatch.setattr(replay, "_EVICTIONS", 1)  # past the evictions allowed: new shapes run as they are
+    for _ in range(3):
+        check(x[:27], labels[:27])
+    assert len(captures) == replay.CAPACITY + 1
+
+
+def test_no_capture_when_turned_off_or_when_inputs_share_memory(captures, monkeypatch):
+    x, labels = make_batch(27, 16, 5, dtype=torch.float32, seed=5)
+    both = x.to(DEVICE)
+    for _ in range(3):  # the bank a view of the batch's rows: a copy of the batch would separate them
+        loss = ms_loss_cuda.multi_similarity_loss(both.requires_grad_(), labels.to(DEVICE),
+                                                  ref_embeddings=both[1:].detach(), ref_labels=labels[1:].to(DEVICE),
+                                                  backend="triton")
+        loss.backward()
+    monkeypatch.setenv("MS_LOSS_CUDA_GRAPHS", "0")
+    for _ in range(3):
+        check(x, labels)
+    assert captures == []

@@ -1,0 +1,154 @@
+"""Eager steps replayed as CUDA graphs: the host issues a step's launches once per shape, then one replay.
+
+An eager forward + backward of the triton backend is a fixed sequence of launches for given shapes,
+dtypes and options, with no host synchronisation, so the host's time to issue it (Python, the launch
+plans, Triton's launch path, torch's small ops: about 2 ms on an H100 host, more than the GPU's work
+up to B = 4096) can be spent once. `call(step, inputs, options)` runs `step(*inputs)` and
+- the first time it sees a signature (options, device, precision settings, each input's shape,
+  strides and dtype, the reference set's address), runs it as it is and remembers the signature;
+- the second time, captures it in a CUDA graph on inputs of its own (a warm-up on the capture's
+  stream first, so that Triton's compiles, cuBLAS's handle and workspace happen outside the capture),
+  then replays it;
+- after that, copies the inputs into the graph's, replays, and returns copies of its outputs (a later
+  replay overwrites the graph's own).
+A signature seen once and never again (a reference set that is a new tensor every step, say) costs
+nothing beyond this bookkeeping. The reference set (a memory bank, often large) is not copied: the
+graph reads it where it was captured, so its address is in the signature: a replay reads whatever
+tensor of that layout is there at the time, the one the call passed. At most `CAPACITY` graphs are kept, each with its memory (the step's temporaries, the
+inputs' copies); the least recently used goes first. Inside another capture (torch.compile's
+"reduce-overhead", make_graphed_callables) the step runs as it is. MS_LOSS_CUDA_GRAPHS=0 turns
+replay off. Steps of more than MOST_PAIRS pairs run as they are.
+"""
+import collections
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+CAPACITY = 4  # graphs kept
+# Steps of more pairs are not captured: their GPU work hides the host's (on an H100, B = 65536 and a
+# 1024 x 1,048,576 bank gain nothing from replay: bench/results/gpu/h100/bench-float16.log, triton
+# against triton-graph), and their graphs would keep the most memory.
+MOST_PAIRS = 2**29
+_SEEN = 16  # signatures remembered from their first call
+# Once this many graphs were dropped for others, signatures not kept run as they are: a workload
+# that cycles through more shapes than CAPACITY would otherwise capture at every call.
+_EVICTIONS = 4 * CAPACITY
+_graphs = collections.OrderedDict()
+_seen = collections.OrderedDict()
+_evictions = 0
+
+
+class Graph(NamedTuple):
+    """A captured step: its graph, the outputs it writes and the inputs it reads (copies, or the
+    reference set itself)."""
+    graph: object  # torch.cuda.CUDAGraph (or what `capture` gives)
+    outputs: tuple
+    inputs: tuple
+
+    def __call__(self, inputs):
+        for mine, given in zip(self.inputs, inputs):
+            if mine is not None and mine is not given:
+                mine.copy_(given)
+        self.graph.replay()
+        return tuple(None if out is None else out.clone() for out in self.outputs)
+
+
+def enabled(device):
+    """Replay is on: MS_LOSS_CUDA_GRAPHS is not "0" and `capturable(device)`."""
+    return os.environ.get("MS_LOSS_CUDA_GRAPHS", "1") != "0" and capturable(device)
+
+
+def capturable(device):
+    """A CUDA device whose current stream is not inside another capture."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def _layout(t: Optional[torch.Tensor]):
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype)
+
+
+def signature(inputs, kept, options, device):
+    """What a graph depends on: `options` (hashable), the device, torch's matmul precision settings and
+    the chunked backward's budget (they choose the plans), each input's layout and the addresses of
+    the inputs in `kept` (read in place)."""
+    settings = (torch.get_float32_matmul_precision(), os.environ.get("MS_LOSS_TRITON_CHUNK_MB"))
+    if device.type == "cuda":
+        settings += (torch.backends.cuda.matmul.allow_tf32,
+                     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+    addresses = tuple(None if inputs[i] is None else inputs[i].data_ptr() for i in kept)
+    return options, device, settings, tuple(_layout(t) for t in inputs), addresses
+
+
+def _copies(inputs, kept):
+    """The graph's own inputs: a copy of each (one for inputs that are the same tensor), the ones in
+    `kept` as they are."""
+    made = {}
+    for i, t in enumerate(inputs):
+        if t is not None and id(t) not in made:
+            made[id(t)] = t if i in kept else t.clone()
+    return tuple(None if t is None else made[id(t)] for t in inputs)
+
+
+def _unkept(inputs, kept):
+    """`inputs` without the ones in `kept`: the graph reads those at their address, which the signature
+    holds, whatever tensor is there when it replays (so it need not keep the captured one alive)."""
+    return tuple(None if i in kept else t for i, t in enumerate(inputs))
+
+
+def capture(step, inputs):
+    """(graph, outputs): `step(*inputs)` captured in a CUDA graph, after a warm-up on the capture's stream."""
+    device = next(t.device for t in inputs if t is not None)
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(*inputs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outputs = step(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+    return graph, outputs
+
+
+def call(step, inputs, kept, options, device):
+    """`step(*inputs)`: run, captured or replayed as the module's docstring says. `kept`: the indices
+    of the inputs read in place (their addresses belong to the signature); `options`: what else
+    `step` depends on, hashable. Inputs that share memory without being one tensor (x and a view of
+    it as the reference set) are never captured: a copy would separate them."""
+    global _evictions
+    if not enabled(device) or any(t is not None and t.numel() == 0 for t in inputs) or _overlapping(inputs):
+        return step(*inputs)
+    key = signature(inputs, kept, options, device)
+    graph = _graphs.get(key)
+    if graph is None:
+        if _seen.pop(key, None) is None or (len(_graphs) >= CAPACITY and _evictions >= _EVICTIONS):
+            _seen[key] = True  # (the first time, or no room: as it is)
+            if len(_seen) > _SEEN:
+                _seen.popitem(last=False)
+            return step(*inputs)
+        mine = _copies(inputs, kept)
+        graph = _graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept))
+        while len(_graphs) > CAPACITY:
+            _graphs.popitem(last=False)
+            _evictions += 1
+    else:
+        _graphs.move_to_end(key)
+    return graph(inputs)
+
+
+def _overlapping(inputs):
+    """Two of the inputs are different tensors on one storage."""
+    first = {}
+    for t in inputs:
+        if t is not None and first.setdefault(t.untyped_storage().data_ptr(), t) is not t:
+            return True
+    return False
+
+
+def clear():
+    """Drops every kept graph and remembered signature (and with them the graphs' memory)."""
+    global _evictions
+    _graphs.clear()
+    _seen.clear()
+    _evictions = 0
