@@ -6,6 +6,11 @@ the error where the benchmark times, where sums run over tens of thousands of pa
 relative: |loss - ref| / |ref|, and for the gradient the largest |dx - dx_ref| over the largest
 |dx_ref| (the scale the parity suite uses) and the norm of the difference over the norm of dx_ref.
 The reference runs in float64 on the same device (the B x R matrix in memory).
+16-bit gradients take a grad_output of --grad-scale (1024 by default: a loss scale, as
+torch.amp.GradScaler gives) and are divided by it before the comparison: the gradient of a mean over
+B anchors has entries of about 1/B times a pair weight, below float16's normal range (6.1e-5) from a
+few thousand anchors on, where any float16 gradient, of any implementation, keeps few bits unless
+the loss is scaled. float32 takes grad_output 1.
 
     python bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
         --dtypes float32 float16 bfloat16 --precisions highest high --out bench/results/gpu/accuracy.txt
@@ -19,17 +24,17 @@ import ms_loss_cuda
 from providers import make_inputs  # (bench/, this script's folder)
 
 
-def loss_and_grad(x, labels, ref, ref_labels, backend):
+def loss_and_grad(x, labels, ref, ref_labels, backend, scale=1.0):
     x = x.detach().clone().requires_grad_()
     loss = ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend=backend)
-    loss.backward()
-    return loss.detach().double(), x.grad.double()
+    loss.backward(torch.full_like(loss, scale))
+    return loss.detach().double(), x.grad.double() / scale
 
 
-def errors(backend, dtype, batch, ref_rows, device, dim):
+def errors(backend, dtype, batch, ref_rows, device, dim, scale):
     x, labels, ref, ref_labels = make_inputs(batch, dim, ref_rows=ref_rows, device=device)
     x, ref = x.to(dtype), None if ref is None else ref.to(dtype)
-    loss, grad = loss_and_grad(x, labels, ref, ref_labels, backend)
+    loss, grad = loss_and_grad(x, labels, ref, ref_labels, backend, scale)
     # the reference sees the same (rounded) inputs, in float64
     ref_loss, ref_grad = loss_and_grad(x.double(), labels, None if ref is None else ref.double(), ref_labels,
                                        "reference")
@@ -51,6 +56,8 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--precisions", nargs="+", default=["highest"], choices=("highest", "high", "medium"),
                         help="torch.set_float32_matmul_precision for the float32 runs (highest is torch's default)")
+    parser.add_argument("--grad-scale", type=float, default=1024.0,
+                        help="the 16-bit runs' grad_output (a loss scale; the gradient is divided by it)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
 
@@ -58,17 +65,18 @@ def main():
     lines = [f"{args.backend} against the float64 reference, D = {args.dim}, {args.device} "
              f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}",
-             f"{'dtype':<18} {'shape':>16} {'loss':>9} {'dx (max)':>9} {'dx (norm)':>9}  finite"]
+             f"{'dtype':<18} {'shape':>16} {'loss':>9} {'dx (max)':>9} {'dx (norm)':>9}  grad_output  finite"]
     print("\n".join(lines), flush=True)
     runs = [(d, p) for d in args.dtypes for p in (args.precisions if d == "float32" else ["highest"])]
     for dtype, precision in runs:
         torch.set_float32_matmul_precision(precision)
         name = dtype + (f" ({precision})" if dtype == "float32" else "")
         for batch, ref_rows in shapes:
-            e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim)
+            scale = 1.0 if dtype == "float32" else args.grad_scale
+            e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim, scale)
             shape = f"{batch}" if ref_rows is None else f"{batch} x {ref_rows}"
             lines.append(f"{name:<18} {shape:>16} {e['loss']:>9.2g} {e['grad_max']:>9.2g} {e['grad_norm']:>9.2g}"
-                         f"  {e['finite']}")
+                         f"  {scale:>11g}  {e['finite']}")
             print(lines[-1], flush=True)
     torch.set_float32_matmul_precision("highest")
     if args.out:

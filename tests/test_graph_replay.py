@@ -137,7 +137,7 @@ def test_options_and_shapes_make_their_own_graphs_and_few_are_kept(captures, mon
     assert len(captures) == replay.CAPACITY + 1
 
 
-def test_no_capture_when_turned_off_or_when_inputs_share_memory(captures, monkeypatch):
+def test_no_capture_when_turned_off_too_large_or_when_inputs_share_memory(captures, monkeypatch):
     x, labels = make_batch(27, 16, 5, dtype=torch.float32, seed=5)
     both = x.to(DEVICE)
     for _ in range(3):  # the bank a view of the batch's rows: a copy of the batch would separate them
@@ -145,6 +145,10 @@ def test_no_capture_when_turned_off_or_when_inputs_share_memory(captures, monkey
                                                   ref_embeddings=both[1:].detach(), ref_labels=labels[1:].to(DEVICE),
                                                   backend="triton")
         loss.backward()
+    with monkeypatch.context() as patch:
+        patch.setattr(replay, "MOST_PAIRS", 27 * 27 - 1)  # a step of more pairs than replay takes
+        for _ in range(3):
+            check(x, labels)
     monkeypatch.setenv("MS_LOSS_CUDA_GRAPHS", "0")
     for _ in range(3):
         check(x, labels)

@@ -10,6 +10,7 @@ Modules, from the per-pair math up (docs/design.md explains the algorithm):
 - operands.py: aligned rows, int32 keys, the label order, the positive ranges, column splits;
 - forward.py, backward.py: the launch plans of the forward and of both backwards;
 - op.py: the custom ops, their autograd and the eager one-node loss;
+- replay.py: the eager step captured as a CUDA graph and replayed;
 - backend.py: the backend the public API calls (BACKEND).
 """
 from .backend import BACKEND
