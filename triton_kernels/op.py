@@ -213,11 +213,9 @@ class _EagerLoss(torch.autograd.Function):
         if gradients_now:
             wanted = (ctx.needs_input_grad[0], ref is not None and ctx.needs_input_grad[1])
             options = (hyper_parameters, normalize, reduction, dtype, wanted)
-            step = lambda *tensors: _step_with_gradients(*tensors, *options)  # noqa: E731
-            if x.shape[0] * (x.shape[0] if ref is None else ref.shape[0]) <= replay.MOST_PAIRS:
-                loss, da, db = replay.call(step, inputs, (1,), options, x.device)
-            else:
-                loss, da, db = step(*inputs)
+            pairs = x.shape[0] * (x.shape[0] if ref is None else ref.shape[0])
+            loss, da, db = replay.call(lambda *tensors: _step_with_gradients(*tensors, *options), inputs, (1,),
+                                       options, x.device, pairs)
             ctx.save_for_backward(x, ref, da, db)
             return loss
         losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize)

@@ -2,8 +2,8 @@
 
 An eager forward + backward of the triton backend is a fixed sequence of launches for given shapes,
 dtypes and options, with no host synchronisation, so the host's time to issue it (Python, the launch
-plans, Triton's launch path, torch's small ops: about 2 ms on an H100 host, more than the GPU's work
-up to B = 4096) can be spent once. `call(step, inputs, options)` runs `step(*inputs)` and
+plans, Triton's launch path, torch's small ops: about 2 ms on an H100's host, more than the GPU's
+work up to B = 4096) can be spent once. `call` runs a step and
 - the first time it sees a signature (options, device, precision settings, each input's shape,
   strides and dtype, the reference set's address), runs it as it is and remembers the signature;
 - the second time, captures it in a CUDA graph on inputs of its own (a warm-up on the capture's
@@ -13,11 +13,12 @@ up to B = 4096) can be spent once. `call(step, inputs, options)` runs `step(*inp
   replay overwrites the graph's own).
 A signature seen once and never again (a reference set that is a new tensor every step, say) costs
 nothing beyond this bookkeeping. The reference set (a memory bank, often large) is not copied: the
-graph reads it where it was captured, so its address is in the signature: a replay reads whatever
-tensor of that layout is there at the time, the one the call passed. At most `CAPACITY` graphs are kept, each with its memory (the step's temporaries, the
-inputs' copies); the least recently used goes first. Inside another capture (torch.compile's
-"reduce-overhead", make_graphed_callables) the step runs as it is. MS_LOSS_CUDA_GRAPHS=0 turns
-replay off. Steps of more than MOST_PAIRS pairs run as they are.
+graph reads it where it was captured, so its address is in the signature, and a replay reads
+whatever tensor of that layout lies there, the one the call passed. At most CAPACITY graphs are
+kept, each with its memory (the step's temporaries, the inputs' copies); the least recently used
+goes first. Steps of more than MOST_PAIRS pairs run as they are, and so does a step inside another
+capture (torch.compile's "reduce-overhead", make_graphed_callables). MS_LOSS_CUDA_GRAPHS=0 turns
+replay off.
 """
 import collections
 import os
@@ -111,13 +112,15 @@ def capture(step, inputs):
     return graph, outputs
 
 
-def call(step, inputs, kept, options, device):
+def call(step, inputs, kept, options, device, pairs):
     """`step(*inputs)`: run, captured or replayed as the module's docstring says. `kept`: the indices
     of the inputs read in place (their addresses belong to the signature); `options`: what else
-    `step` depends on, hashable. Inputs that share memory without being one tensor (x and a view of
-    it as the reference set) are never captured: a copy would separate them."""
+    `step` depends on, hashable; `pairs`: the step's size (over MOST_PAIRS: run as it is). Inputs
+    that share memory without being one tensor (x and a view of it as the reference set) are never
+    captured: a copy would separate them."""
     global _evictions
-    if not enabled(device) or any(t is not None and t.numel() == 0 for t in inputs) or _overlapping(inputs):
+    if (pairs > MOST_PAIRS or not enabled(device) or any(t is not None and t.numel() == 0 for t in inputs)
+            or _overlapping(inputs)):
         return step(*inputs)
     key = signature(inputs, kept, options, device)
     graph = _graphs.get(key)
