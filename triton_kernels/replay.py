@@ -21,6 +21,7 @@ capture (torch.compile's "reduce-overhead", make_graphed_callables). MS_LOSS_CUD
 replay off.
 """
 import collections
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -97,11 +98,18 @@ def _unkept(inputs, kept):
     return tuple(None if i in kept else t for i, t in enumerate(inputs))
 
 
+@functools.cache
+def _capture_stream(device):
+    """One side stream per device for every capture: torch keeps a cuBLAS workspace for each stream
+    cuBLAS has run on, so a new stream for each capture would leave one more workspace behind."""
+    return torch.cuda.Stream(device)
+
+
 def capture(step, inputs):
     """(graph, outputs): `step(*inputs)` captured in a CUDA graph, after a warm-up on the capture's stream."""
     device = next(t.device for t in inputs if t is not None)
     with torch.cuda.device(device):
-        stream = torch.cuda.Stream()
+        stream = _capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step(*inputs)
