@@ -115,4 +115,8 @@ def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cp
 
 @pytest.fixture(autouse=True)
 def _no_backend_override(monkeypatch):
+    """No backend forced from the environment, and no CUDA-graph replay (a test that calls one shape
+    twice would check the second call's kernels only if it launched them; tests/test_graph_replay.py
+    checks replay itself)."""
     monkeypatch.delenv("MS_LOSS_BACKEND", raising=False)
+    monkeypatch.setenv("MS_LOSS_CUDA_GRAPHS", "0")

@@ -5,6 +5,8 @@ graph's own inputs and writes its results into the captured outputs, as a replay
 what replay.call decides (when to capture, what it copies, what it keeps in place, what it returns)
 through the real eager path under the interpreter. With a GPU the same tests run on CUDA graphs.
 """
+import warnings
+
 import pytest
 import torch
 
@@ -153,3 +155,30 @@ def test_no_capture_when_turned_off_too_large_or_when_inputs_share_memory(captur
     for _ in range(3):
         check(x, labels)
     assert captures == []
+
+
+def test_inputs_passed_as_one_tensor_get_their_own_graph(captures):
+    x, labels = make_batch(30, 16, 5, dtype=torch.float32, seed=6)
+    bank = make_batch(30, 16, 5, dtype=torch.float32, seed=7)[0].to(DEVICE)
+    shared = labels.to(DEVICE)
+    for _ in range(3):  # the bank's labels are the batch's tensor: the graph holds one copy of both
+        check(x, shared, bank, shared, ref_grad=False)
+    others = shared.roll(5)
+    for _ in range(3):  # then two tensors: another graph, or one copy would take both
+        check(x, shared, bank, others, ref_grad=False)
+    assert len(captures) == 2
+
+
+def test_a_step_that_cannot_be_captured_warns_once_and_runs_as_it_is(captures, monkeypatch):
+    def failing(step, inputs):
+        raise RuntimeError("out of memory in the graph's pool")
+
+    monkeypatch.setattr(replay, "capture", failing)
+    x, labels = make_batch(26, 16, 5, dtype=torch.float32, seed=8)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        for _ in range(2):
+            check(x, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # (no second try, no second warning)
+            check(x, labels)

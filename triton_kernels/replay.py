@@ -21,11 +21,14 @@ capture (torch.compile's "reduce-overhead", make_graphed_callables). MS_LOSS_CUD
 replay off.
 """
 import collections
-import functools
 import os
+import threading
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
+
+from . import launcher
 
 CAPACITY = 4  # graphs kept
 # Steps of more pairs are not captured: their GPU work hides the host's (on an H100, B = 65536 and a
@@ -38,7 +41,9 @@ _SEEN = 16  # signatures remembered from their first call
 _EVICTIONS = 4 * CAPACITY
 _graphs = collections.OrderedDict()
 _seen = collections.OrderedDict()
+_refused = set()  # signatures whose capture failed
 _evictions = 0
+_lock = threading.RLock()
 
 
 class Graph(NamedTuple):
@@ -63,7 +68,12 @@ def enabled(device):
 
 def capturable(device):
     """A CUDA device whose current stream is not inside another capture."""
-    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+    if device.type != "cuda":
+        return False
+    if device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return not torch.cuda.is_current_stream_capturing()
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def _layout(t: Optional[torch.Tensor]):
@@ -71,15 +81,21 @@ def _layout(t: Optional[torch.Tensor]):
 
 
 def signature(inputs, kept, options, device):
-    """What a graph depends on: `options` (hashable), the device, torch's matmul precision settings and
-    the chunked backward's budget (they choose the plans), each input's layout and the addresses of
-    the inputs in `kept` (read in place)."""
-    settings = (torch.get_float32_matmul_precision(), os.environ.get("MS_LOSS_TRITON_CHUNK_MB"))
+    """What a graph depends on: `options` (hashable), the device and its current stream (a graph's
+    buffers serve one stream), what chooses the plans (torch's matmul settings, deterministic mode,
+    the chunked backward's budget, the tile table), each input's layout, which inputs are one tensor
+    (they share one copy), and the addresses of the inputs in `kept` (read in place)."""
+    settings = (torch.get_float32_matmul_precision(), os.environ.get("MS_LOSS_TRITON_CHUNK_MB"),
+                torch.are_deterministic_algorithms_enabled(), launcher.tile_config)
     if device.type == "cuda":
-        settings += (torch.backends.cuda.matmul.allow_tf32,
-                     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+        matmul = torch.backends.cuda.matmul
+        settings += (torch.cuda.current_stream(device).cuda_stream, matmul.allow_tf32,
+                     matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+                     getattr(matmul, "allow_fp16_accumulation", False))
+    first = {}
+    same = tuple(first.setdefault(id(t), i) for i, t in enumerate(inputs))
     addresses = tuple(None if inputs[i] is None else inputs[i].data_ptr() for i in kept)
-    return options, device, settings, tuple(_layout(t) for t in inputs), addresses
+    return options, device, settings, tuple(_layout(t) for t in inputs), same, addresses
 
 
 def _copies(inputs, kept):
@@ -98,23 +114,20 @@ def _unkept(inputs, kept):
     return tuple(None if i in kept else t for i, t in enumerate(inputs))
 
 
-@functools.cache
-def _capture_stream(device):
-    """One side stream per device for every capture: torch keeps a cuBLAS workspace for each stream
-    cuBLAS has run on, so a new stream for each capture would leave one more workspace behind."""
-    return torch.cuda.Stream(device)
-
-
 def capture(step, inputs):
-    """(graph, outputs): `step(*inputs)` captured in a CUDA graph, after a warm-up on the capture's stream."""
+    """(graph, outputs): `step(*inputs)` captured in a CUDA graph, after a warm-up on the capture's stream.
+    Each capture has a stream of its own: torch keeps a cuBLAS workspace per stream, which the graph's
+    products use where they were captured, and frees it when the graph of that stream goes, so graphs
+    that shared a stream would lose their workspace with the first of them dropped."""
     device = next(t.device for t in inputs if t is not None)
     with torch.cuda.device(device):
-        stream = _capture_stream(device)
+        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step(*inputs)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        # ("thread_local": other threads' CUDA work, on other devices say, does not break the capture)
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             outputs = step(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
     return graph, outputs
@@ -125,27 +138,45 @@ def call(step, inputs, kept, options, device, pairs):
     of the inputs read in place (their addresses belong to the signature); `options`: what else
     `step` depends on, hashable; `pairs`: the step's size (over MOST_PAIRS: run as it is). Inputs
     that share memory without being one tensor (x and a view of it as the reference set) are never
-    captured: a copy would separate them."""
-    global _evictions
+    captured: a copy would separate them. A capture that fails (out of memory, say) warns once and
+    leaves its signature to run as it is."""
     if (pairs > MOST_PAIRS or not enabled(device) or any(t is not None and t.numel() == 0 for t in inputs)
             or _overlapping(inputs)):
         return step(*inputs)
     key = signature(inputs, kept, options, device)
-    graph = _graphs.get(key)
-    if graph is None:
-        if _seen.pop(key, None) is None or (len(_graphs) >= CAPACITY and _evictions >= _EVICTIONS):
-            _seen[key] = True  # (the first time, or no room: as it is)
-            if len(_seen) > _SEEN:
-                _seen.popitem(last=False)
-            return step(*inputs)
-        mine = _copies(inputs, kept)
+    with _lock:  # (one thread at a time: the bookkeeping, and a graph's buffers, are shared)
+        graph = _graphs.get(key)
+        if graph is None:
+            graph = _captured(step, inputs, kept, key)
+        else:
+            _graphs.move_to_end(key)
+        if graph is not None:
+            return graph(inputs)
+    return step(*inputs)
+
+
+def _captured(step, inputs, kept, key):
+    """A new Graph of `step` for signature `key` (kept), or None where the step runs as it is: the first
+    time the signature is seen, when there is no room, or when it cannot be captured."""
+    global _evictions
+    if key in _refused or _seen.pop(key, None) is None or (len(_graphs) >= CAPACITY and _evictions >= _EVICTIONS):
+        _seen[key] = True
+        if len(_seen) > _SEEN:
+            _seen.popitem(last=False)
+        return None
+    mine = _copies(inputs, kept)
+    try:
         graph = _graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept))
-        while len(_graphs) > CAPACITY:
-            _graphs.popitem(last=False)
-            _evictions += 1
-    else:
-        _graphs.move_to_end(key)
-    return graph(inputs)
+    except RuntimeError as error:
+        if not _refused:
+            warnings.warn(f"ms_loss_cuda: an eager step could not be captured as a CUDA graph and runs as it is "
+                          f"({error})", RuntimeWarning, stacklevel=4)
+        _refused.add(key)
+        return None
+    while len(_graphs) > CAPACITY:
+        _graphs.popitem(last=False)
+        _evictions += 1
+    return graph
 
 
 def _overlapping(inputs):
@@ -160,6 +191,8 @@ def _overlapping(inputs):
 def clear():
     """Drops every kept graph and remembered signature (and with them the graphs' memory)."""
     global _evictions
-    _graphs.clear()
-    _seen.clear()
-    _evictions = 0
+    with _lock:
+        _graphs.clear()
+        _seen.clear()
+        _refused.clear()
+        _evictions = 0
