@@ -9,7 +9,8 @@
 #     and bfloat16;
 #   bench: the speed targets side by side, D = 512, as four parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
-#       for matmul4 (the GEMM floor), triton, triton-graph, compiled (torch.compile of the dense loss), pml;
+#       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
+#       compiled (torch.compile of the dense loss), pml;
 #     bench-float32: B = 16384 for matmul4, triton, compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
@@ -72,7 +73,7 @@ bench_step() {  # one of the bench step's parts (see the header)
   bench-float16)
     tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
     run_step bench-float16 420 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 1024 4096 16384 65536 \
-      --bank 262144 1048576 --providers matmul4 triton triton-graph compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
+      --bank 262144 1048576 --providers matmul4 triton triton-direct triton-graph compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \

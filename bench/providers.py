@@ -4,9 +4,10 @@ Providers (PROVIDER_HELP says each in a line, for the printed table's legend):
 `floor` (forward+backward of X @ X.T alone: the GEMM work no exact method avoids), `matmul4` (four
 X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does four
 GEMM-equivalents), `reference` (ms_loss_cuda's dense PyTorch backend), the fused backends `cpu`,
-`triton` and `cuda`, `triton-fused` (the triton backend's fused backward, MS_LOSS_TRITON_CHUNK_MB=0;
-on a GPU plain `triton` takes the chunked one: pair weights to memory 256 MiB at a time, the second
-product by cuBLAS), `triton-tuned` (with --tuned tune.json: the triton step on the winners of
+`triton` and `cuda` (on a GPU `triton` replays its eager step as a CUDA graph from the second call
+of a shape; `triton-direct` launches it every time), `triton-fused` (the triton backend's fused
+backward, MS_LOSS_TRITON_CHUNK_MB=0; on a GPU plain `triton` takes the chunked one: pair weights to
+memory 256 MiB at a time, the second product by cuBLAS), `triton-tuned` (with --tuned tune.json: the triton step on the winners of
 bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that one
 GPU call can sweep and time them beside the shipped entries), `compiled` (the dense MS loss and miner
 written plainly in torch, bench/compiled_loss.py, under torch.compile: what a user writes instead of
@@ -21,7 +22,7 @@ table) live in bench/triton_internals.py alone.
 """
 import os
 
-TRITON = ("triton", "triton-graph", "triton-fused", "triton-fused-graph")
+TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 COMPILED = ("compiled", "compiled-graph")
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, "cuda", *COMPILED, "pml")
@@ -34,6 +35,8 @@ PROVIDER_HELP = {
     "reference": "ms_loss_cuda's dense PyTorch backend (the B x R matrix in memory)",
     "cpu": "ms_loss_cuda's fused C++ backend (no B x R matrix)",
     "triton": "ms_loss_cuda's Triton backend (on a GPU its chunked backward: 256 MiB of pair weights at a time)",
+    "triton-direct": "the Triton backend's eager step launched every time, without its CUDA-graph replay"
+                     " (MS_LOSS_CUDA_GRAPHS=0)",
     "triton-fused": "the Triton backend with its fused backward (MS_LOSS_TRITON_CHUNK_MB=0)",
     "triton-tuned": "the Triton backend on the winners of bench/tune_triton.py's sweep (--tuned)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
@@ -102,7 +105,7 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
         x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
         backend="triton" if provider.startswith("triton") else provider).backward()
     if provider.startswith("triton"):  # the shipped backward, or the fused one (the tuned table names its own)
-        step = with_chunk_budget(step, "0" if provider == "triton-fused" else None)
+        step = with_settings(step, "0" if provider == "triton-fused" else None, provider != "triton-direct")
         if provider == "triton-tuned":
             from triton_internals import with_tiles  # (bench/, this module's folder)
 
@@ -124,16 +127,20 @@ def compiled_step(labels, ref, ref_labels, mining, graphs=False):
     return lambda x: loss(x, labels, ref, ref_labels, mining=mining).backward()
 
 
-def with_chunk_budget(step, mib):
-    """`step` under MS_LOSS_TRITON_CHUNK_MB=mib (0: the triton backend's fused backward; None: unset,
-    the shipped default), set before each call, as every triton provider does (one setenv: copying and
-    restoring the whole environment, as mock.patch.dict does, would add host time to every timed
-    step)."""
-    def run(x):
-        if mib is None:
-            os.environ.pop("MS_LOSS_TRITON_CHUNK_MB", None)
+def with_settings(step, chunk_mib, replay):
+    """`step` under MS_LOSS_TRITON_CHUNK_MB=chunk_mib (0: the triton backend's fused backward; None:
+    unset, the shipped default) and, without `replay`, MS_LOSS_CUDA_GRAPHS=0, set before each call, as
+    every triton provider does (setenv alone: copying and restoring the whole environment, as
+    mock.patch.dict does, would add host time to every timed step)."""
+    def setenv(name, value):
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            os.environ["MS_LOSS_TRITON_CHUNK_MB"] = mib
+            os.environ[name] = value
+
+    def run(x):
+        setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+        setenv("MS_LOSS_CUDA_GRAPHS", None if replay else "0")
         step(x)
 
     return run
