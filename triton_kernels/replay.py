@@ -47,8 +47,8 @@ _lock = threading.RLock()
 
 
 class Graph(NamedTuple):
-    """A captured step: its graph, the outputs it writes and the inputs it reads (copies, or the
-    reference set itself)."""
+    """A captured step: its graph, the outputs it writes and the copies of the inputs it reads (None for
+    those it reads in place)."""
     graph: object  # torch.cuda.CUDAGraph (or what `capture` gives)
     outputs: tuple
     inputs: tuple
