@@ -227,10 +227,10 @@ class _EagerLoss(torch.autograd.Function):
         x, ref = ctx.saved_tensors[:2]
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
             da, db = (None if g is None else run(scaled_rows_plan, t.device, g, grad.detach(), t.dtype)[0]
-                      for g, t in (zip(ctx.saved_tensors[2:], (x, ref))))
+                      for g, t in zip(ctx.saved_tensors[2:], (x, ref)))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
-            wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-            da, db = _gradients(ctx.saved_tensors[2:], grad, ctx.hyper_parameters, ctx.reduction, wanted)
+            da, db = _gradients(ctx.saved_tensors[2:], grad, ctx.hyper_parameters, ctx.reduction,
+                                ctx.needs_input_grad[:2])
         return ops.first_derivative_only((x, ref), da, db) + (None,) * 9
 
 

@@ -159,7 +159,9 @@ def _captured(step, inputs, kept, key):
     """A new Graph of `step` for signature `key` (kept), or None where the step runs as it is: the first
     time the signature is seen, when there is no room, or when it cannot be captured."""
     global _evictions
-    if key in _refused or _seen.pop(key, None) is None or (len(_graphs) >= CAPACITY and _evictions >= _EVICTIONS):
+    if key in _refused:
+        return None
+    if _seen.pop(key, None) is None or (len(_graphs) >= CAPACITY and _evictions >= _EVICTIONS):
         _seen[key] = True
         if len(_seen) > _SEEN:
             _seen.popitem(last=False)
