@@ -1,16 +1,19 @@
 """The host's share of an eager step of the triton backend: the time Python, autograd and torch take
 to issue one forward+backward (from an idle device until the step returns). Side by side in one run,
-alternating: the shipped eager path (`eager`: one autograd node for the whole call, triton_kernels'
-eager_loss) and the custom ops that torch.compile traces, with torch's normalisation and reduction
-(`custom-ops`, what torch.compile traces). Median of --steps
-steps per round; the spread over --rounds rounds (bench/host_time_versus.py compares two
-checkouts). Each result counts the step's Triton launches and cuBLAS products.
+alternating: the shipped eager path as it runs from a shape's third call on (`replayed`: one
+autograd node for the whole call, triton_kernels' eager_loss, whose step replays a CUDA graph), the
+same step with its launches issued (`eager`: MS_LOSS_CUDA_GRAPHS=0, the first call of a shape and
+the steps not captured) and the custom ops that torch.compile traces, with torch's normalisation
+and reduction (`custom-ops`). Median of --steps steps per round; the spread over --rounds rounds
+(bench/host_time_versus.py compares two checkouts). Each result counts the step's Triton launches
+and cuBLAS products.
 --device cpu (default, no GPU needed): a stand-in for a GPU host's work. The GPU's launch plans
 (an H100's tiles, 132 multiprocessors, the chunked backward) are made for CPU tensors, and each
 launch goes through Triton's own launch path (argument binding, specialisation, cache lookup)
 down to the driver call, which a stand-in driver drops (--launches launcher; each kernel is
 compiled for sm_90 on its first launch), or is dropped whole (--launches stubbed). torch's ops run
-on small CPU tensors; the cuBLAS products are left out. --device cuda: the real step, launches included.
+on small CPU tensors; the cuBLAS products are left out. A stand-in graph replays nothing (on a GPU
+a replay is one driver call). --device cuda: the real step, launches and graphs included.
     python bench/host_time.py --out bench/results/cpu/host-time.txt
     python bench/host_time.py --device cuda --batch 4096 --ref-rows 262144 --dim 512
 """
@@ -18,6 +21,11 @@ import argparse
 import json
 import statistics
 import time
+
+
+# the self case, a memory bank (no gradient), and a full CrossBatchMemory of the bank's size (its step:
+# the store, the batch's term and the memory's)
+CASES = ("self", "memory bank", "cross-batch memory")
 
 
 def add_size_options(parser):
@@ -95,6 +103,60 @@ def cpu_stand_in(launches):
     launcher.Launch.__call__ = with_label_order
 
 
+class StandInGraph:
+    """A CUDA graph's stand-in on CPU: the capture ran the step once; a replay does nothing."""
+
+    def replay(self):
+        pass
+
+
+def stand_in_graphs():
+    """CPU steps captured and replayed as a GPU's are, with `StandInGraph`s."""
+    from ms_loss_cuda.triton_kernels import replay
+
+    replay.capturable = lambda device: True
+    replay.capture = lambda step, inputs: (StandInGraph(), step(*inputs))
+
+
+def memory_step(labels, ref, ref_labels):
+    """A training step's loss with a full CrossBatchMemory (triton backend) that holds the rows `ref`
+    (normalised) and their labels, ids 0 ... R - 1 (the batch's come after)."""
+    import torch
+
+    import ms_loss_cuda
+
+    memory = ms_loss_cuda.CrossBatchMemory(ref.shape[0], ref.shape[1], backend="triton")
+    memory.embeddings = torch.nn.functional.normalize(ref.float(), dim=1).to(ref.dtype)
+    memory.labels, memory.ids = ref_labels.clone(), torch.arange(ref.shape[0], device=ref.device)
+    memory.filled = ref.shape[0]
+    ids = torch.arange(ref.shape[0], ref.shape[0] + labels.shape[0], device=labels.device)
+    return lambda x: memory(x, labels, ids).backward()
+
+
+def path_step(path, case, labels, ref, ref_labels):
+    """The step of one of the paths the module's docstring names, for one of CASES."""
+    from benchmark import step_function
+    from ms_loss_cuda import ops
+    from providers import with_settings
+
+    if case == "cross-batch memory":
+        step = with_settings(memory_step(labels, ref, ref_labels), None, path != "eager")
+    else:
+        step = step_function("triton-direct" if path == "eager" else "triton", labels, ref, ref_labels)
+    if path != "custom-ops":
+        return step
+    shipped = ops.traced
+
+    def traced_step(x):  # (as if traced: the ops, torch's normalisation)
+        ops.traced = lambda: True
+        try:
+            step(x)
+        finally:
+            ops.traced = shipped
+
+    return traced_step
+
+
 def count_launches():
     """{"launches": Triton launches, "launch_s": their time, "products": cuBLAS products} issued so
     far (counting wrappers)."""
@@ -140,44 +202,45 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     import torch
-    from benchmark import HARDNESS, make_inputs, step_function
-    from ms_loss_cuda import ops
-
+    from benchmark import HARDNESS, make_inputs
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
         cpu_stand_in(args.launches)
+        stand_in_graphs()
     launched = count_launches()
-    shipped = ops.traced
-    paths = {"eager": shipped, "custom-ops": lambda: True}  # (as if traced: the ops, torch's normalisation)
+    paths = ("replayed", "eager", "custom-ops")
     results, counts = {}, {}
-    for case, ref_rows in (("self", None), ("memory bank", args.ref_rows)):
+    for case in CASES:
+        ref_rows = None if case == "self" else args.ref_rows
         x, labels, ref, ref_labels = make_inputs(args.batch, args.dim, HARDNESS["typical"], ref_rows, args.device)
         x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
-        step = step_function("triton", labels, ref, ref_labels)
+        steps = {path: path_step(path, case, labels, ref, ref_labels) for path in paths}
         rounds = {path: [] for path in paths}
         for _ in range(args.rounds):
-            for path, ops.traced in paths.items():
-                host_time(step, x, 10, synchronize)  # warm-up
+            for path, step in steps.items():
+                host_time(step, x, 10, synchronize)  # warm-up (and the capture)
                 rounds[path].append(host_time(step, x, args.steps, synchronize))
-        ops.traced = shipped
         results[case] = {path: [round(t * 1e3, 3) for t in times] for path, times in rounds.items()}
-        launched.update(launches=0, launch_s=0.0, products=0)
-        host_time(step, x, args.steps, synchronize)
-        counts[case] = {key: value / args.steps for key, value in launched.items()}
+        for path in paths[:2]:
+            launched.update(launches=0, launch_s=0.0, products=0)
+            host_time(steps[path], x, args.steps, synchronize)
+            counts[case, path] = {key: value / args.steps for key, value in launched.items()}
     how = {"cuda": "", "stubbed": ", GPU plans, launches stubbed",
            "launcher": ", GPU plans, launches through Triton's launch path, no driver calls"}
     mode = "cuda" if args.device == "cuda" else args.launches
     lines = [f"host time of one eager triton step on {args.device}{how[mode]}, float16, P x 4 batches of typical "
              f"hardness (bench/benchmark.py), B = {args.batch}, "
-             f"R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms, median of {args.steps} steps, "
+             f"R = {args.ref_rows} (memory bank, cross-batch memory), D = {args.dim}, 'mean'; ms, median of "
+             f"{args.steps} steps, "
              f"{args.rounds} alternating rounds"]
     for case, by_path in results.items():
         for path, times in by_path.items():
-            lines.append(f"  {case:12s} {path:16s} median {statistics.median(times):.3f}  "
+            lines.append(f"  {case:18s} {path:10s} median {statistics.median(times):.3f}  "
                          f"range {min(times):.3f}-{max(times):.3f}")
-        lines.append(f"  {case:12s} a step: {counts[case]['launches']:.0f} Triton launches "
-                     f"({counts[case]['launch_s'] * 1e3:.3f} ms of the eager step), "
-                     f"{counts[case]['products']:.0f} cuBLAS products")
+        for path in paths[:2]:
+            count = counts[case, path]
+            lines.append(f"  {case:18s} a {path} step: {count['launches']:.0f} Triton launches "
+                         f"({count['launch_s'] * 1e3:.3f} ms of it), {count['products']:.0f} cuBLAS products")
     report(lines, args.out)
 
 

@@ -203,6 +203,14 @@ class Backend:
         """The per-anchor losses [B] (compute dtype) of normalised (or raw) rows."""
         raise NotImplementedError
 
+    def memory_loss(self, x, labels, ids, slots, memory, filled, weight, options, normalize, reduction):
+        """CrossBatchMemory's step as one call of this backend, for checked inputs: the rows of x
+        (normalised where `normalize`), their labels and ids stored at `slots` of `memory` (its
+        embeddings, labels and ids buffers), then the loss against the batch plus `weight` times the
+        loss against the memory's first `filled` rows. None where the backend has no such call (then
+        the memory makes its two loss calls)."""
+        return None
+
     def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
         """The reduced loss, for inputs that check_inputs accepted."""
         x, r = embeddings, ref

@@ -68,11 +68,18 @@ def multi_similarity_loss(
 def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, options,
           normalize, reduction, backend):
     check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids)
-    options = dict(options, **{k: float(options[k]) for k in ("alpha", "beta", "base", "epsilon")})
-    check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
+    options = checked_options(options, reduction)
     chosen = backends.resolve(backend, embeddings.device, embeddings.dtype) if masks is None else \
         backends.GivenPairs(masks)
     return chosen.loss(embeddings, labels, ids, ref_embeddings, ref_labels, ref_ids, options, normalize, reduction)
+
+
+def checked_options(options, reduction):
+    """The hyper-parameters (a dict of every name of common.HYPER_PARAMETERS) as a backend takes them,
+    the four numbers as floats, after checking them and `reduction`."""
+    options = dict(options, **{k: float(options[k]) for k in ("alpha", "beta", "base", "epsilon")})
+    check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
+    return options
 
 
 class MultiSimilarityLoss(torch.nn.Module):

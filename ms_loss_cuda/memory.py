@@ -2,10 +2,12 @@
 `size` embeddings, never turned into a B x M matrix."""
 import torch
 
-from .loss import multi_similarity_loss, normalized_rows
-from .common import HYPER_PARAMETERS
+from . import backends
+from .common import HYPER_PARAMETERS, check_inputs
+from .loss import checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
+_DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
 
 
 class CrossBatchMemory(torch.nn.Module):
@@ -22,7 +24,9 @@ class CrossBatchMemory(torch.nn.Module):
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
     already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
     (with the ring position and the call count), so a checkpoint resumes with it. The memory term
-    needs no gradient for the memory: the fused backends then skip that half of the backward.
+    needs no gradient for the memory: the fused backends then skip that half of the backward. On the
+    triton backend an eager step whose gradient is taken is one call (`Backend.memory_loss`): the
+    store and both terms, replayed as one CUDA graph once the memory is full.
     """
 
     def __init__(self, size, dim, *, weight=1.0, warmup=0, **loss_options):
@@ -58,6 +62,9 @@ class CrossBatchMemory(torch.nn.Module):
                              "are skipped, which is how a sample never meets its own stored copies")
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"embeddings must be [B, {self.dim}] for this memory, got {tuple(embeddings.shape)}")
+        loss = self._one_call(embeddings, labels, ids)
+        if loss is not None:
+            return loss
         x = normalized_rows(embeddings, self.loss_options.get("backend", "auto")) if self.normalize else embeddings
         loss = multi_similarity_loss(x, labels, ids=ids, normalize=False, **self.loss_options)
         term = self.memory_term(x, labels, ids, x, labels, ids)
@@ -76,11 +83,41 @@ class CrossBatchMemory(torch.nn.Module):
                                      ref_labels=self.labels[stored], ref_ids=self.ids[stored], normalize=False,
                                      **dict(self.loss_options, **loss_options))
 
-    @torch.no_grad()
-    def _enqueue(self, x, labels, ids):
+    def _one_call(self, embeddings, labels, ids):
+        """The step (after the warm-up calls, a batch no larger than the memory) as one call of the
+        backend, where it has one; else None, and nothing changed."""
+        if self.calls < self.warmup or embeddings.shape[0] > self.size:
+            return None
+        options = dict(_DEFAULTS, **self.loss_options)
+        check_inputs(embeddings, labels, None, None, ids, None)
+        hyper_parameters = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
+        backend = backends.resolve(options["backend"], embeddings.device, embeddings.dtype)
+        self._place(embeddings)
+        batch = embeddings.shape[0]
+        filled = min(self.filled + batch, self.size)
+        loss = backend.memory_loss(embeddings, labels, ids, self._slots(batch), (self.embeddings, self.labels, self.ids),
+                                   filled, self.weight, hyper_parameters, self.normalize, options["reduction"])
+        if loss is not None:
+            self.calls += 1
+            self.position, self.filled = (self.position + batch) % self.size, filled
+        return loss
+
+    def _slots(self, batch):
+        """The ring's next `batch` slots, a view of a tensor made once per batch size and device."""
+        ring = getattr(self, "_ring", None)
+        if ring is None or ring.shape[0] != self.size + batch or ring.device != self.embeddings.device:
+            ring = self._ring = torch.arange(self.size + batch, device=self.embeddings.device) % self.size
+        return ring[self.position:self.position + batch]
+
+    def _place(self, x):
+        """The buffers on x's device, the embeddings in its dtype (moved on first use)."""
         if self.embeddings.device != x.device or self.embeddings.dtype != x.dtype:
             self.embeddings = self.embeddings.to(x.device, x.dtype)
             self.labels, self.ids = self.labels.to(x.device), self.ids.to(x.device)
+
+    @torch.no_grad()
+    def _enqueue(self, x, labels, ids):
+        self._place(x)
         x, labels, ids = x[-self.size:], labels[-self.size:], ids[-self.size:]  # a batch larger than the memory
         rows = (self.position + torch.arange(x.shape[0], device=x.device)) % self.size
         self.embeddings.index_copy_(0, rows, x)

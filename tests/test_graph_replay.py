@@ -176,3 +176,48 @@ def test_a_step_that_cannot_be_captured_warns_once_and_runs_as_it_is(captures, m
         warnings.simplefilter("error")
         for _ in range(2):  # (no second try, no second warning)
             check(x, labels)
+
+
+@pytest.mark.skipif(not GPU, reason="torch's pool of CUDA streams")
+def test_a_capture_on_the_stream_of_a_kept_graph_drops_that_graph_first(captures):
+    x, labels = make_batch(25, 16, 5, dtype=torch.float32, seed=9)
+    for _ in range(2):
+        check(x, labels)
+    first = captures[0].capture_stream
+    # torch's streams come from a pool, round robin: take them until the next one is the first graph's
+    period = next(n for n in range(1, 1025) if torch.cuda.Stream() == first)
+    for _ in range(period - 1):
+        torch.cuda.Stream()
+    for _ in range(2):
+        check(x[:24], labels[:24])
+    assert captures[1].capture_stream == first and len(replay._graphs) == 1
+    for _ in range(3):  # each captured again on a stream of its own, and replayed
+        check(x, labels)
+        check(x[:24], labels[:24])
+    assert len(captures) == 3 and len(replay._graphs) == 2
+
+
+def test_a_memory_step_is_captured_once_the_memory_is_full_and_stores_each_batch(captures):
+    """CrossBatchMemory's step in one call (the store and both terms): a new step while the memory fills
+    (its size grows), then one graph that reads and writes the memory in place."""
+    from test_memory import batches, expected_loss
+
+    size, weight = 30, 0.5
+    memory = ms_loss_cuda.CrossBatchMemory(size, 8, weight=weight, backend="triton")
+    kept = []
+    for x, labels, ids in batches(9, 10, 8, samples=60, classes=5, seed=10):
+        x_ref = x.clone().requires_grad_()
+        x = x.to(DEVICE, torch.float32).requires_grad_()
+        loss = memory(x, labels.to(DEVICE), ids.to(DEVICE))
+        (grad,) = torch.autograd.grad(loss, x, torch.tensor(0.7, device=DEVICE))
+        rows = torch.nn.functional.normalize(x_ref, dim=1)
+        kept = (kept + list(zip(rows.detach(), labels, ids)))[-size:]
+        expected = expected_loss(rows, labels, ids, tuple(map(torch.stack, zip(*kept))), weight, {})
+        (expected_grad,) = torch.autograd.grad(expected, x_ref, torch.tensor(0.7, dtype=torch.float64))
+        assert_close(loss, expected, 1e-5)
+        assert_close(grad, expected_grad, 1e-5)
+    assert len(captures) == 1 and memory.filled == size
+    if not GPU:  # steps 1 and 2 fill it; step 3 (full) is seen, step 4 captured and replayed, 5 to 9 replayed
+        assert captures[0].replays == 6
+    stored = sorted(zip(memory.ids.tolist(), memory.labels.tolist()))
+    assert stored == sorted((int(i), int(label)) for _, label, i in kept)

@@ -5,9 +5,10 @@ import torch.nn.functional as F
 
 from ms_loss_cuda import CrossBatchMemory, available_backends, multi_similarity_loss, reference
 
-from conftest import assert_close
+from conftest import TOLERANCE, assert_close
 
-BACKENDS = [b for b in ("cpu", "reference") if b in available_backends("cpu")]
+BACKENDS = [b for b in ("cpu", "reference", "triton") if b in available_backends("cpu")]
+DTYPES = {"triton": torch.float32}  # (else float64; the triton backend takes 16- and 32-bit rows)
 
 
 def batches(steps, batch, dim, samples, classes, seed=0):
@@ -22,8 +23,8 @@ def batches(steps, batch, dim, samples, classes, seed=0):
 
 
 def expected_loss(x, labels, ids, stored, weight, options):
-    """MS(batch vs batch) + weight * MS(batch vs stored rows), densely, pairs of equal id skipped."""
-    x = F.normalize(x, dim=1)
+    """MS(batch vs batch) + weight * MS(batch vs stored rows), densely, pairs of equal id skipped; x
+    normalised already where the memory normalises."""
     loss = reference.multi_similarity_loss(x, labels, ids=ids, **options)
     if stored is None:
         return loss
@@ -31,33 +32,52 @@ def expected_loss(x, labels, ids, stored, weight, options):
     return loss + weight * reference.multi_similarity_loss(x, labels, ref, ref_labels, ids, ref_ids, **options)
 
 
+def one_calls(monkeypatch):
+    """The steps the triton backend takes in one call (Backend.memory_loss), counted from now."""
+    from ms_loss_cuda.triton_kernels import op
+
+    taken, call = [], op.eager_memory_loss
+    monkeypatch.setattr(op, "eager_memory_loss", lambda *args: (lambda loss: taken.append(loss is not None) or loss)(
+        call(*args)))
+    return taken
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_matches_a_memory_kept_by_hand(backend, reduction):
-    size, weight, warmup = 23, 0.7, 2
+@pytest.mark.parametrize("normalize", [True, False])
+def test_matches_a_memory_kept_by_hand(monkeypatch, backend, reduction, normalize):
+    size, weight, warmup, steps = 23, 0.7, 2, 7
+    dtype = DTYPES.get(backend, torch.float64)
     memory = CrossBatchMemory(size, 9, weight=weight, warmup=warmup, reduction=reduction, backend=backend,
-                              epsilon=0.2)
+                              epsilon=0.2, normalize=normalize)
+    taken = one_calls(monkeypatch) if backend == "triton" else []
     kept = []  # (row, label, id), oldest first
-    for step, (x, labels, ids) in enumerate(batches(7, 10, 9, samples=40, classes=6)):
-        x = x.requires_grad_()
+    for step, (x, labels, ids) in enumerate(batches(steps, 10, 9, samples=40, classes=6)):
+        x = x.to(dtype).requires_grad_()
         loss = memory(x, labels, ids)
-        (grad,) = torch.autograd.grad(loss, x)
-        x_ref = x.detach().clone().requires_grad_()
+        (grad,) = torch.autograd.grad(loss, x, torch.tensor(0.6, dtype=dtype))
+        x_ref = x.detach().double().requires_grad_()
+        rows = F.normalize(x_ref, dim=1) if normalize else x_ref
         stored = None
         if step >= warmup:
-            kept = (kept + list(zip(F.normalize(x_ref.detach(), dim=1), labels, ids)))[-size:]
+            kept = (kept + list(zip(rows.detach(), labels, ids)))[-size:]
             stored = tuple(torch.stack(column) for column in zip(*kept))
-        expected = expected_loss(x_ref, labels, ids, stored, weight, dict(reduction=reduction, epsilon=0.2))
-        (expected_grad,) = torch.autograd.grad(expected, x_ref)
+        expected = expected_loss(rows, labels, ids, stored, weight, dict(reduction=reduction, epsilon=0.2))
+        (expected_grad,) = torch.autograd.grad(expected, x_ref, torch.tensor(0.6, dtype=torch.float64))
         assert memory.filled == len(kept)
-        assert_close(loss, expected, 1e-10)
-        assert_close(grad, expected_grad, 1e-10)
-    # the memory holds the same entries as the hand-kept list (ring order aside; ids may repeat)
+        assert_close(loss, expected, TOLERANCE[dtype])
+        assert_close(grad, expected_grad, TOLERANCE[dtype])
+    # the triton backend: every step after the warm-up in one call
+    assert taken == ([True] * (steps - warmup) if backend == "triton" else [])
+    # the memory holds the kept entries (ring order aside; ids may repeat)
     def entries(rows, row_labels, row_ids):
-        return sorted((int(i), int(label), tuple(round(v, 9) for v in row.tolist()))
-                      for row, label, i in zip(rows, row_labels, row_ids))
+        return sorted(zip(row_ids.tolist(), row_labels.tolist(), rows.double().unbind()),
+                      key=lambda entry: (entry[0], entry[1], entry[2].round(decimals=3).tolist()))
 
-    assert entries(memory.embeddings, memory.labels, memory.ids) == entries(*zip(*kept))
+    for (i, label, row), (kept_i, kept_label, kept_row) in zip(entries(memory.embeddings, memory.labels, memory.ids),
+                                                               entries(*map(torch.stack, zip(*kept))), strict=True):
+        assert (i, label) == (kept_i, kept_label)
+        assert_close(row, kept_row, TOLERANCE[dtype])
 
 
 def test_a_sample_never_meets_its_stored_copies():

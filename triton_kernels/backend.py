@@ -1,6 +1,7 @@
 """The Triton backend as the public API sees it (common.Backend): where it runs, and the call path.
 
-An eager call takes `op.eager_loss`, one autograd node; a traced call (torch.compile, export, fake
+An eager call takes `op.eager_loss`, one autograd node (CrossBatchMemory's step
+`op.eager_memory_loss`, one node for both its terms); a traced call (torch.compile, export, fake
 tensors) takes the custom ops through the common path, whose normalisation the compiler fuses
 itself. Both get their keys as the kernels compare them: int32 ranks, made once for both ops
 (operands.ranked_keys).
@@ -39,6 +40,12 @@ class TritonBackend(Backend):
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
         hyper_parameters = [options[name] for name in HYPER_PARAMETERS]
         return op.fused_forward(x, *ranked_keys(labels, ids, ref, ref_labels, ref_ids), *hyper_parameters)[0]
+
+    def memory_loss(self, x, labels, ids, slots, memory, filled, weight, options, normalize, reduction):
+        if ops.traced():
+            return None
+        return op.eager_memory_loss(x, labels, ids, slots, *memory, filled, weight,
+                                    [options[name] for name in HYPER_PARAMETERS], normalize, reduction, loss_dtype(x))
 
     def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
         if ops.traced():

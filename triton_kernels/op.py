@@ -23,7 +23,7 @@ from .forward import forward_plan, forward_plan_keeping_rows
 from .launcher import run
 from . import replay
 from .operands import SAVED_ROWS, ranked_keys
-from .row_kernels import scaled_rows_plan, unit_rows_grad_plan, unit_rows_plan
+from .row_kernels import unit_rows_grad_plan, unit_rows_plan
 
 
 # ---- the ops ----------------------------------------------------------------------------------
@@ -186,6 +186,73 @@ def _step_with_gradients(x, ref, labels, ids, ref_labels, ref_ids, hyper_paramet
     return _reduced(losses, reduction, dtype, x, ref, finite), da, db
 
 
+def _scaled(g, grad, dtype):
+    """g (float32) times grad_output (one value, 0-d: it takes g's float32), rounded once into `dtype`:
+    one op, whose kernel casts as it stores (on a GPU; the CPU's goes through a float32 copy)."""
+    with torch.no_grad():
+        return torch.mul(g, grad.reshape(()), out=torch.empty(g.shape, dtype=dtype, device=g.device))
+
+
+def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, memory_ids, hyper_parameters, normalize,
+                                reduction, dtype, filled, weight):
+    """(loss, dx) of CrossBatchMemory's step whose gradient is taken now, dx float32 for grad_output 1:
+    the batch's rows (normalised where `normalize`) stored at `slots` of the memory, then MS(batch vs
+    batch) + weight * MS(batch vs the memory's first `filled` rows), both terms' gradients summed
+    before the normalisation's one backward. Every launch is on the GPU, without host
+    synchronisation (what replay.call captures); storing the same rows again is harmless, so the
+    capture's warm-up may run it once more."""
+    a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
+    for buffer, rows in ((memory, a), (memory_labels, labels), (memory_ids, ids)):
+        buffer.index_copy_(0, slots, rows.to(buffer.dtype))
+    bank = memory[:filled], memory_labels[:filled], memory_ids[:filled]
+    ones = _float32_one(x.device).expand(x.shape[0])
+    terms, grads = [], []
+    for ref, ref_labels, ref_ids in ((None, None, None), bank):
+        losses, _, rows_in_label_order, saved = _forward_step(a, ref, labels, ids, ref_labels, ref_ids,
+                                                              hyper_parameters, False)
+        terms.append(reduce_losses(losses, reduction))
+        grads.append(_gradients(saved, ones, hyper_parameters, reduction, (True, False), True, rows_in_label_order)[0])
+    loss = nan_if_nonfinite(torch.add(*terms, alpha=weight), bank[0], None if normalize else a)
+    da = torch.add(*grads, alpha=weight)
+    if normalize:
+        loss = torch.add(loss, a_finite.sum())
+        da = run(unit_rows_grad_plan, x.device, da, a, a_norm, None, torch.float32)[0]
+    return loss.to(dtype), da
+
+
+class _EagerMemoryLoss(torch.autograd.Function):
+    """CrossBatchMemory's eager step on the triton backend as one autograd node (see `eager_memory_loss`):
+    its forward issues the whole step, backward included, as one sequence of launches that replay.call
+    captures (the memory's buffers read and written in place); the backward scales the float32
+    gradient by grad_output, as `_EagerLoss` does."""
+
+    @staticmethod
+    def forward(ctx, x, labels, ids, slots, memory, memory_labels, memory_ids, options):
+        filled = options[4]
+        inputs = (x, labels, ids, slots, memory, memory_labels, memory_ids)
+        loss, dx = replay.call(lambda *tensors: _memory_step_with_gradients(*tensors, *options), inputs, (4, 5, 6),
+                               options, x.device, x.shape[0] * (x.shape[0] + filled))
+        ctx.save_for_backward(x, dx)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, dx = ctx.saved_tensors
+        return ops.first_derivative_only((x,), _scaled(dx, grad, x.dtype)) + (None,) * 7
+
+
+def eager_memory_loss(x, labels, ids, slots, memory, memory_labels, memory_ids, filled, weight, hyper_parameters,
+                      normalize, reduction, dtype):
+    """CrossBatchMemory's step (memory.py) for checked inputs whose gradient is taken now ("mean" or
+    "sum", grad mode on, x requiring grad): the rows of x stored at `slots` of the memory's buffers,
+    then the loss against the batch plus `weight` times the loss against the memory's first `filled`
+    rows, as one autograd node; None for any other call (then the memory makes its two loss calls)."""
+    if reduction == "none" or not torch.is_grad_enabled() or not x.requires_grad:
+        return None
+    options = (tuple(hyper_parameters), normalize, reduction, dtype, filled, float(weight))
+    return _EagerMemoryLoss.apply(x, labels, ids, slots, memory, memory_labels, memory_ids, options)
+
+
 class _EagerLoss(torch.autograd.Function):
     """multi_similarity_loss on the triton backend in eager calls, one autograd node from the embeddings
     to the loss: normalisation, the forward's launches, the reduction, the finiteness check and the
@@ -226,8 +293,7 @@ class _EagerLoss(torch.autograd.Function):
     def backward(ctx, grad):
         x, ref = ctx.saved_tensors[:2]
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
-            da, db = (None if g is None else run(scaled_rows_plan, t.device, g, grad.detach(), t.dtype)[0]
-                      for g, t in zip(ctx.saved_tensors[2:], (x, ref)))
+            da, db = (None if g is None else _scaled(g, grad, t.dtype) for g, t in zip(ctx.saved_tensors[2:], (x, ref)))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             da, db = _gradients(ctx.saved_tensors[2:], grad, ctx.hyper_parameters, ctx.reduction,
                                 ctx.needs_input_grad[:2])

@@ -5,7 +5,6 @@
   also flags rows that hold a NaN or an infinity, so that the loss turns NaN without reading them
   again.
 - `unlifted_rows_kernel`: the rows of x divided by their lifts, for the chunked backward's triangle.
-- `scaled_rows_kernel`: a float32 gradient times grad_output, rounded once into the input dtype.
 - `label_order_kernel`: everything the self case's label order needs after torch sorts the labels
   (operands.label_order): the stable order of all keys (rows of up to operands.ONE_KERNEL_SORT
   keys, each sorted by torch in one kernel, merged here by binary search), each key's rank, each
@@ -72,20 +71,6 @@ def unlifted_rows_kernel(t_ptr, lift_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.cons
     for k in range(0, dim, BLOCK_D):
         t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         tl.store(y_ptr + at, tl.div_rn(t, lift[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def scaled_rows_kernel(g_ptr, g_stride, scale_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    """y = g * scale (one value, any float dtype) in y's dtype, rows of g g_stride elements apart: the
-    eager loss's float32 gradient for grad_output 1 times the grad_output, in one pass where torch's
-    mul into another dtype takes two."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    scale = tl.load(scale_ptr).to(tl.float32)
-    for k in range(0, dim, BLOCK_D):
-        g, _, ok = _row_block(g_ptr, rows, k, num_rows, dim, g_stride, BLOCK_D)
-        at = rows[:, None].to(tl.int64) * dim + (k + tl.arange(0, BLOCK_D))[None, :]
-        tl.store(y_ptr + at, (g * scale).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -214,14 +199,3 @@ def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
     return dt, [rows_launch(unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
                             g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
                             order_ptr=norm if order is None else order)]  # (unordered: never read)
-
-
-def scaled_rows_plan(g, scale, dtype):
-    """(y, launches): g (float32 rows, the columns contiguous) times `scale` (a one-element tensor of
-    any float dtype on g's device), as torch.mul computes it in float32, rounded once into `dtype`
-    (contiguous rows)."""
-    assert g.dim() == 2 and g.stride(1) == 1 and scale.numel() == 1, "rows of contiguous columns, one scale"
-    y = torch.empty(g.shape, dtype=dtype, device=g.device)
-    return y, [rows_launch(scaled_rows_kernel, g.shape, {}, g_ptr=g, g_stride=g.stride(0), scale_ptr=scale,
-                           y_ptr=y)]
-
