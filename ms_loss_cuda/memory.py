@@ -85,7 +85,8 @@ class CrossBatchMemory(torch.nn.Module):
 
     def _one_call(self, embeddings, labels, ids):
         """The step (after the warm-up calls, a batch no larger than the memory) as one call of the
-        backend, where it has one; else None, and nothing changed."""
+        backend, where it has one; else None, with nothing stored (the buffers may have moved to the
+        batch's device and dtype)."""
         if self.calls < self.warmup or embeddings.shape[0] > self.size:
             return None
         options = dict(_DEFAULTS, **self.loss_options)

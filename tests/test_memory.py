@@ -7,7 +7,9 @@ from ms_loss_cuda import CrossBatchMemory, available_backends, multi_similarity_
 
 from conftest import TOLERANCE, assert_close
 
-BACKENDS = [b for b in ("cpu", "reference", "triton") if b in available_backends("cpu")]
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (on CPU tensors under the interpreter)
+BACKENDS = [b for b in ("cpu", "reference") if b in available_backends("cpu")] + \
+    (["triton"] if "triton" in available_backends(TRITON_DEVICE) else [])
 DTYPES = {"triton": torch.float32}  # (else float64; the triton backend takes 16- and 32-bit rows)
 
 
@@ -52,11 +54,12 @@ def test_matches_a_memory_kept_by_hand(monkeypatch, backend, reduction, normaliz
                               epsilon=0.2, normalize=normalize)
     taken = one_calls(monkeypatch) if backend == "triton" else []
     kept = []  # (row, label, id), oldest first
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
     for step, (x, labels, ids) in enumerate(batches(steps, 10, 9, samples=40, classes=6)):
-        x = x.to(dtype).requires_grad_()
-        loss = memory(x, labels, ids)
-        (grad,) = torch.autograd.grad(loss, x, torch.tensor(0.6, dtype=dtype))
-        x_ref = x.detach().double().requires_grad_()
+        x = x.to(device, dtype).requires_grad_()
+        loss = memory(x, labels.to(device), ids.to(device))
+        (grad,) = torch.autograd.grad(loss, x, torch.tensor(0.6, dtype=dtype, device=device))
+        x_ref = x.detach().cpu().double().requires_grad_()
         rows = F.normalize(x_ref, dim=1) if normalize else x_ref
         stored = None
         if step >= warmup:
@@ -71,7 +74,7 @@ def test_matches_a_memory_kept_by_hand(monkeypatch, backend, reduction, normaliz
     assert taken == ([True] * (steps - warmup) if backend == "triton" else [])
     # the memory holds the kept entries (ring order aside; ids may repeat)
     def entries(rows, row_labels, row_ids):
-        return sorted(zip(row_ids.tolist(), row_labels.tolist(), rows.double().unbind()),
+        return sorted(zip(row_ids.tolist(), row_labels.tolist(), rows.cpu().double().unbind()),
                       key=lambda entry: (entry[0], entry[1], entry[2].round(decimals=3).tolist()))
 
     for (i, label, row), (kept_i, kept_label, kept_row) in zip(entries(memory.embeddings, memory.labels, memory.ids),

@@ -50,7 +50,7 @@ def test_every_kernel_compiles_for_both_targets(records):
     # the fused backward takes the self case in label order, with and without the caller's identities
     kernels |= {f"grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
     # the normalisation (no float32-tf32 variant)
-    rows = {"unit_rows_kernel", "unit_rows_grad_kernel"}
+    rows = {"unit_rows_kernel", "unit_rows_grad_kernel", "stored_rows_kernel"}
     rows |= {f"unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
@@ -60,7 +60,8 @@ def test_every_kernel_compiles_for_both_targets(records):
 
 def test_every_product_uses_tensor_cores(records):
     products = [r for r in records  # (the label order, finish, scales and row kernels have no product)
-                if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "unlifted_rows"))]
+                if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "unlifted_rows",
+                                               "stored_rows"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

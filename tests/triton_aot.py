@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
 from ms_loss_cuda.triton_kernels.launcher import Launch
-from ms_loss_cuda.triton_kernels.row_kernels import unit_rows_grad_plan, unit_rows_plan
+from ms_loss_cuda.triton_kernels.row_kernels import stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
@@ -59,6 +59,9 @@ def launches(dtype_name, dim, mining, skip, cc):
         for out, suffix in ((None, ""), (torch.float32, "[to_float32]")):
             found["unit_rows_grad_kernel[ordered]" + suffix] = unit_rows_grad_plan(padded, y, norm, order, out)[1][0]
             found["unit_rows_grad_kernel[float32]" + suffix] = unit_rows_grad_plan(padded, y, norm, None, out)[1][0]
+        # CrossBatchMemory's store: the rows into a memory of their dtype, int64 labels and ids into int64 ones
+        keys, slots = torch.arange(ROWS), torch.arange(ROWS)
+        found["stored_rows_kernel"] = stored_rows_plan(y, keys, keys, slots, y, keys, keys)[1][0]
     cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down

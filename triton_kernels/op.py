@@ -23,7 +23,7 @@ from .forward import forward_plan, forward_plan_keeping_rows
 from .launcher import run
 from . import replay
 from .operands import SAVED_ROWS, ranked_keys
-from .row_kernels import unit_rows_grad_plan, unit_rows_plan
+from .row_kernels import stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 
 # ---- the ops ----------------------------------------------------------------------------------
@@ -202,8 +202,8 @@ def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, me
     synchronisation (what replay.call captures); storing the same rows again is harmless, so the
     capture's warm-up may run it once more."""
     a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
-    for buffer, rows in ((memory, a), (memory_labels, labels), (memory_ids, ids)):
-        buffer.index_copy_(0, slots, rows.to(buffer.dtype))
+    run(stored_rows_plan, x.device, a.contiguous(), labels.contiguous(), ids.contiguous(), slots, memory, memory_labels,
+        memory_ids)
     bank = memory[:filled], memory_labels[:filled], memory_ids[:filled]
     ones = _float32_one(x.device).expand(x.shape[0])
     terms, grads = [], []

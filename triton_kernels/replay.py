@@ -115,33 +115,28 @@ def _unkept(inputs, kept):
 
 
 def capture(step, inputs):
-    """(graph, outputs): `step(*inputs)` captured in a CUDA graph, after a warm-up on the capture's stream.
-    Each kept graph has a stream of its own: torch keeps a cuBLAS workspace per stream, which the
-    graph's products use where they were captured, and frees it when the graph of that stream goes
-    (pytorch#193402), so graphs that shared a stream would lose their workspace with the first of them
-    dropped. torch hands out its streams from a pool, round robin, so a new stream may be the one a
-    kept graph was captured on: that graph is dropped first (it is captured again when its step
-    comes back), and the warm-up makes the new graph a workspace of its own."""
+    """(graph, outputs): `step(*inputs)` captured in a CUDA graph, after a warm-up on the capture's stream
+    (a new one from torch's pool). As torch's own CUDA-graph trees do, cuBLAS's cached workspaces are
+    cleared before and after the capture, so that the graph's products allocate their workspace
+    inside the graph's private pool: the graph owns it. Without that, a graph would use the
+    workspace torch caches for its stream, which torch frees when the cache is cleared (torch.compile's
+    CUDA graphs clear it, and dropping a graph clears its stream's: pytorch#193402), under the graph."""
     device = next(t.device for t in inputs if t is not None)
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
-        _drop_graphs_on(stream)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step(*inputs)
         graph = torch.cuda.CUDAGraph()
-        # ("thread_local": other threads' CUDA work, on other devices say, does not break the capture)
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            outputs = step(*inputs)
+        torch._C._cuda_clearCublasWorkspaces()
+        try:
+            # ("thread_local": other threads' CUDA work, on other devices say, does not break the capture)
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                outputs = step(*inputs)
+        finally:
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.current_stream().wait_stream(stream)
-    graph.capture_stream = stream
     return graph, outputs
-
-
-def _drop_graphs_on(stream):
-    """Drops the kept graphs captured on `stream` (each frees that stream's cuBLAS workspace as it goes)."""
-    for key in [key for key, kept in _graphs.items() if getattr(kept.graph, "capture_stream", None) == stream]:
-        del _graphs[key]
 
 
 def call(step, inputs, kept, options, device, pairs):

@@ -5,6 +5,8 @@
   also flags rows that hold a NaN or an infinity, so that the loss turns NaN without reading them
   again.
 - `unlifted_rows_kernel`: the rows of x divided by their lifts, for the chunked backward's triangle.
+- `stored_rows_kernel`: CrossBatchMemory's store, rows with their labels and ids into the memory's
+  slots, in one launch.
 - `label_order_kernel`: everything the self case's label order needs after torch sorts the labels
   (operands.label_order): the stable order of all keys (rows of up to operands.ONE_KERNEL_SORT
   keys, each sorted by torch in one kernel, merged here by binary search), each key's rank, each
@@ -71,6 +73,24 @@ def unlifted_rows_kernel(t_ptr, lift_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.cons
     for k in range(0, dim, BLOCK_D):
         t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         tl.store(y_ptr + at, tl.div_rn(t, lift[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def stored_rows_kernel(t_ptr, labels_ptr, ids_ptr, slots_ptr, y_ptr, y_labels_ptr, y_ids_ptr, num_rows, dim,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r of t (contiguous [num_rows, dim]) to row slots[r] of y, its label and id to slots[r] of y_labels
+    and y_ids, each in the destination's dtype: CrossBatchMemory's store in one launch, where
+    index_copy_ takes one a buffer (and in torch's deterministic mode may read the slots back to the
+    host, which a CUDA graph cannot capture). The slots are distinct, so any order gives the same."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < num_rows
+    slots = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
+    tl.store(y_labels_ptr + slots, tl.load(labels_ptr + rows, mask=ok).to(y_labels_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ids_ptr + slots, tl.load(ids_ptr + rows, mask=ok).to(y_ids_ptr.dtype.element_ty), mask=ok)
+    for k in range(0, dim, BLOCK_D):
+        t, _, ok_t = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        at = slots[:, None] * dim + (k + tl.arange(0, BLOCK_D))[None, :]
+        tl.store(y_ptr + at, t.to(y_ptr.dtype.element_ty), mask=ok_t)
 
 
 @triton.jit
@@ -199,3 +219,11 @@ def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
     return dt, [rows_launch(unit_rows_grad_kernel, y.shape, dict(ORDERED=order is not None), g_ptr=grad,
                             g_stride=grad.stride(0), y_ptr=y, norm_ptr=norm, dt_ptr=dt,
                             order_ptr=norm if order is None else order)]  # (unordered: never read)
+
+
+def stored_rows_plan(t, labels, ids, slots, memory, memory_labels, memory_ids):
+    """(memory, launches): `stored_rows_kernel`'s store of the rows of a contiguous `t` (the memory's dtype)
+    with their labels and ids at `slots` (distinct) of the memory's contiguous buffers."""
+    assert all(t.is_contiguous() for t in (t, labels, ids, slots, memory, memory_labels, memory_ids)), "contiguous"
+    return memory, [rows_launch(stored_rows_kernel, t.shape, {}, t_ptr=t, labels_ptr=labels, ids_ptr=ids, slots_ptr=slots,
+                        y_ptr=memory, y_labels_ptr=memory_labels, y_ids_ptr=memory_ids)]
