@@ -14,7 +14,8 @@ timed nor in the peak (`first_seconds` keeps its time), makes the allocations th
 pools, and for `compiled` the compile (from an empty inductor cache); the peak is then the process's
 high-water mark above the inputs (reset through /proc/self/clear_refs) in the next call, the warm-up;
 time: perf_counter, best of --repeats (of more for short steps: as many as fit 1 s, at most 100). On
-CUDA everything runs in this process: peak memory is torch.cuda.max_memory_allocated above the inputs,
+CUDA everything runs in this process: peak memory is torch.cuda.max_memory_allocated above the inputs
+(and `kept_mib` what stays between steps, CUDA graphs' private pools included),
 time the median of --repeats runs between CUDA events after a warm-up (which also compiles), and
 TFLOP/s counts 4 GEMM-equivalents (4 * 2 * B * R * D flops) per step. --bank R1 R2 .. adds the
 memory-bank shape: --bank-batch anchors against R reference rows (gradient to the anchors only, as a
@@ -99,6 +100,16 @@ def measure_cpu(provider, batch, args):
             "first_seconds": first, "threads": torch.get_num_threads()}
 
 
+def kept_between_steps_mib(base):
+    """What a provider keeps on the GPU between steps, in MiB: the tensors still allocated above `base`,
+    and the free part of CUDA graphs' private pools, which nothing else allocates from."""
+    import torch
+
+    pools = sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
+                if tuple(segment["segment_pool_id"]) != (0, 0))
+    return (torch.cuda.memory_allocated() - base + pools) / 2**20
+
+
 def measure_cuda(provider, inputs, args):
     """In this process: median of CUDA-event timings after a warm-up, peak allocation above the inputs
     during the warm-up's three calls (the compiles; the CUDA graphs' warm-up and recording, and what
@@ -128,6 +139,9 @@ def measure_cuda(provider, inputs, args):
     for _ in range(2):
         run()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    x.grad = None
+    torch.cuda.synchronize()
+    kept_mib = kept_between_steps_mib(base)
     times = []
     while len(times) < args.repeats and sum(times) < args.max_seconds:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -147,6 +161,7 @@ def measure_cuda(provider, inputs, args):
     end.record()
     end.synchronize()
     return {"seconds": seconds, "runs": len(times), "first_seconds": first, "peak_extra_mib": peak_mib,
+            "kept_mib": kept_mib,
             "spread": (max(times) - min(times)) / seconds,
             "back_to_back_seconds": begin.elapsed_time(end) / 1e3 / repeats, "back_to_back_runs": repeats}
 
@@ -241,7 +256,7 @@ def write_results(rows, info, out):
         json.dump({"machine": info, "results": rows}, f, indent=1)
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["provider", "batch", "ref", "dim", "device", "dtype", "hardness",
-                                               "mined", "status", "seconds", "tflops", "peak_extra_mib", "runs",
+                                               "mined", "status", "seconds", "tflops", "peak_extra_mib", "kept_mib", "runs",
                                                "first_seconds", "back_to_back_seconds", "threads"],
                                 extrasaction="ignore")
         writer.writeheader()
@@ -445,11 +460,16 @@ def main():
                     row["status"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
                 if provider in COMPILED:
                     torch.compiler.reset()  # (frees its CUDA graphs' memory for the providers after it)
+                if provider.startswith("triton"):
+                    from ms_loss_cuda.triton_kernels import replay
+
+                    replay.clear()  # (the same for the triton backend's)
                 torch.cuda.empty_cache()
             if row["status"] == "ok":
                 last[(provider, ref_rows is None)] = row
                 compile_note = f" (first call {row['first_seconds']:.1f} s)" if provider in COMPILED else ""
-                print(f"{row['seconds']:.4g} s, peak +{row['peak_extra_mib']:.0f} MiB{compile_note}", flush=True)
+                kept = f", kept {row['kept_mib']:.0f} MiB" if "kept_mib" in row else ""
+                print(f"{row['seconds']:.4g} s, peak +{row['peak_extra_mib']:.0f} MiB{kept}{compile_note}", flush=True)
             else:
                 print(row["status"], flush=True)
             rows.append(row)

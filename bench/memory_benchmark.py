@@ -4,8 +4,8 @@ pytorch-metric-learning's CrossBatchMemory (MultiSimilarityLoss + MultiSimilarit
 memory is filled directly with what earlier steps would have stored, then the step (forward +
 backward of the batch's embeddings, the batch enqueued) is timed.
 On CPU one step, its peak resident memory above the inputs; on CUDA the median of --repeats steps
-between CUDA events after three warm-up steps, and torch.cuda.max_memory_allocated above the inputs
-from the first warm-up step on.
+between CUDA events after three warm-up steps, torch.cuda.max_memory_allocated above the inputs
+from the first warm-up step on, and what stays between steps (bench/benchmark.py's `kept_mib`).
     python bench/memory_benchmark.py --out bench/results/memory
     python bench/memory_benchmark.py --device cuda --dtype float16 --providers ours pml --out DIR
 """
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmark import machine_info, track_peak_rss  # (bench/ is on the path of a script run from it)
+from benchmark import kept_between_steps_mib, machine_info, track_peak_rss  # (bench/: the script's folder)
 from ms_loss_cuda import CrossBatchMemory
 
 PROVIDERS = ("ours", "pml")
@@ -69,7 +69,10 @@ def measure(provider, args):
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1e3)
-    return dict(seconds=statistics.median(times), peak_extra_mib=(torch.cuda.max_memory_allocated() - base) / 2**20)
+    x.grad = None
+    torch.cuda.synchronize()
+    return dict(seconds=statistics.median(times), peak_extra_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
+                kept_mib=kept_between_steps_mib(base))
 
 
 def main():

@@ -179,24 +179,30 @@ def test_a_step_that_cannot_be_captured_warns_once_and_runs_as_it_is(captures, m
 
 
 @pytest.mark.skipif(not GPU, reason="cuBLAS's workspaces: CUDA only")
-def test_a_kept_graph_owns_its_cublas_workspace(captures):
+def test_a_kept_graph_owns_its_cublas_workspace(captures, monkeypatch):
+    monkeypatch.delenv("MS_LOSS_TRITON_CHUNK_MB", raising=False)  # (the chunked backward: cuBLAS's products)
     x, labels = make_batch(700, 64, 60, dtype=torch.float32, seed=9)
-    for _ in range(2):  # captured (the chunked backward's products are cuBLAS's)
+    for _ in range(2):  # captured and replayed
         check(x, labels)
-    # torch.compile's CUDA graphs clear torch's cached workspaces; freed memory may go to anyone
+    # torch.compile's CUDA graphs clear torch's cached workspaces: none of them may be the graph's (its
+    # own lies in its pool, and the cache holds nothing since its capture: no eager product ran since)
+    allocated = torch.cuda.memory_allocated()
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
-    taken = torch.full((64 << 20,), 7, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_allocated() == allocated
     for _ in range(2):
         check(x, labels)
-    assert len(captures) == 1 and bool((taken == 7).all())
+    assert len(captures) == 1
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_memory_step_is_captured_once_the_memory_is_full_and_stores_each_batch(captures, deterministic):
+def test_a_memory_step_is_captured_once_the_memory_is_full_and_stores_each_batch(captures, monkeypatch,
+                                                                                   deterministic):
     """CrossBatchMemory's step in one call (the store and both terms): a new step while the memory fills
     (its size grows), then one graph that reads and writes the memory in place; in deterministic mode
     too, without a warning (nothing in the step reads back to the host)."""
+    if deterministic:  # (what torch asks of cuBLAS in deterministic mode, where it still checks)
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:

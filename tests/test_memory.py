@@ -83,6 +83,29 @@ def test_matches_a_memory_kept_by_hand(monkeypatch, backend, reduction, normaliz
         assert_close(row, kept_row, TOLERANCE[dtype])
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the triton backend")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,dim,keys", [(1, 3, torch.int32), (37, 130, torch.int64)])
+def test_the_triton_store_is_index_copy(dtype, batch, dim, keys):
+    """The one-call step's store (stored_rows_kernel): the rows, labels and ids at their slots of the
+    memory, bit for bit as index_copy_ puts them (the keys widened to the memory's int64)."""
+    from ms_loss_cuda.triton_kernels import launcher, row_kernels
+
+    gen = torch.Generator().manual_seed(batch)
+    size = 50
+    rows = torch.randn(batch, dim, generator=gen).to(TRITON_DEVICE, dtype)
+    labels, ids = (torch.randint(-2**31, 2**31 - 1, (batch,), generator=gen, dtype=keys).to(TRITON_DEVICE)
+                   for _ in range(2))
+    slots = ((torch.arange(batch) + 45) % size).to(TRITON_DEVICE)  # (round the ring's end)
+    memory = [torch.randn(size, dim, generator=gen).to(TRITON_DEVICE, dtype),
+              *(torch.randint(0, 9, (size,), generator=gen).to(TRITON_DEVICE) for _ in range(2))]
+    expected = [buffer.clone().index_copy_(0, slots, new.to(buffer.dtype)) for buffer, new in
+                zip(memory, (rows, labels, ids))]
+    launcher.run(row_kernels.stored_rows_plan, rows.device, rows, labels, ids, slots, *memory)
+    for buffer, wanted in zip(memory, expected, strict=True):
+        assert torch.equal(buffer, wanted)
+
+
 def test_a_sample_never_meets_its_stored_copies():
     # one sample seen twice: with its id, the second step's memory term skips its older copy,
     # which would otherwise be the easiest positive (similarity ~1)

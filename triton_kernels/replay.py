@@ -7,8 +7,8 @@ work up to B = 4096) can be spent once. `call` runs a step and
 - the first time it sees a signature (options, device, precision settings, each input's shape,
   strides and dtype, the reference set's address), runs it as it is and remembers the signature;
 - the second time, captures it in a CUDA graph on inputs of its own (a warm-up on the capture's
-  stream first, so that Triton's compiles, cuBLAS's handle and workspace happen outside the capture),
-  then replays it;
+  stream first, so that Triton's compiles and cuBLAS's handle happen outside the capture), then
+  replays it;
 - after that, copies the inputs into the graph's, replays, and returns copies of its outputs (a later
   replay overwrites the graph's own).
 A signature seen once and never again (a reference set that is a new tensor every step, say) costs
@@ -120,7 +120,12 @@ def capture(step, inputs):
     cleared before and after the capture, so that the graph's products allocate their workspace
     inside the graph's private pool: the graph owns it. Without that, a graph would use the
     workspace torch caches for its stream, which torch frees when the cache is cleared (torch.compile's
-    CUDA graphs clear it, and dropping a graph clears its stream's: pytorch#193402), under the graph."""
+    CUDA graphs clear it, and dropping a graph clears its stream's: pytorch#193402), under the graph.
+    The clearing is process-wide, as torch.compile's: the next eager product of each stream makes its
+    workspace again. A torch without it (a private function) gets no graphs."""
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is None:
+        raise RuntimeError("this torch cannot clear cuBLAS's cached workspaces, which a kept graph needs")
     device = next(t.device for t in inputs if t is not None)
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
@@ -128,13 +133,13 @@ def capture(step, inputs):
         with torch.cuda.stream(stream):
             step(*inputs)
         graph = torch.cuda.CUDAGraph()
-        torch._C._cuda_clearCublasWorkspaces()
+        clear_workspaces()
         try:
             # ("thread_local": other threads' CUDA work, on other devices say, does not break the capture)
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 outputs = step(*inputs)
         finally:
-            torch._C._cuda_clearCublasWorkspaces()
+            clear_workspaces()
         torch.cuda.current_stream().wait_stream(stream)
     return graph, outputs
 

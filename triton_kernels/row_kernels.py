@@ -78,19 +78,19 @@ def unlifted_rows_kernel(t_ptr, lift_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.cons
 @triton.jit
 def stored_rows_kernel(t_ptr, labels_ptr, ids_ptr, slots_ptr, y_ptr, y_labels_ptr, y_ids_ptr, num_rows, dim,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row r of t (contiguous [num_rows, dim]) to row slots[r] of y, its label and id to slots[r] of y_labels
-    and y_ids, each in the destination's dtype: CrossBatchMemory's store in one launch, where
-    index_copy_ takes one a buffer (and in torch's deterministic mode may read the slots back to the
-    host, which a CUDA graph cannot capture). The slots are distinct, so any order gives the same."""
+    """Row r of t (contiguous [num_rows, dim], y's dtype) to row slots[r] of y, its label and id to slots[r]
+    of y_labels and y_ids (in their dtype): CrossBatchMemory's store in one launch, where index_copy_
+    takes one a buffer. The slots are distinct, so any order gives the same."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
     slots = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
     tl.store(y_labels_ptr + slots, tl.load(labels_ptr + rows, mask=ok).to(y_labels_ptr.dtype.element_ty), mask=ok)
     tl.store(y_ids_ptr + slots, tl.load(ids_ptr + rows, mask=ok).to(y_ids_ptr.dtype.element_ty), mask=ok)
     for k in range(0, dim, BLOCK_D):
-        t, _, ok_t = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
-        at = slots[:, None] * dim + (k + tl.arange(0, BLOCK_D))[None, :]
-        tl.store(y_ptr + at, t.to(y_ptr.dtype.element_ty), mask=ok_t)
+        ks = k + tl.arange(0, BLOCK_D)
+        block_ok = ok[:, None] & (ks < dim)[None, :]
+        values = tl.load(t_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :], mask=block_ok)
+        tl.store(y_ptr + slots[:, None] * dim + ks[None, :], values, mask=block_ok)  # (as they are: bit for bit)
 
 
 @triton.jit
@@ -224,6 +224,8 @@ def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
 def stored_rows_plan(t, labels, ids, slots, memory, memory_labels, memory_ids):
     """(memory, launches): `stored_rows_kernel`'s store of the rows of a contiguous `t` (the memory's dtype)
     with their labels and ids at `slots` (distinct) of the memory's contiguous buffers."""
-    assert all(t.is_contiguous() for t in (t, labels, ids, slots, memory, memory_labels, memory_ids)), "contiguous"
+    if t.dtype != memory.dtype or not all(x.is_contiguous() for x in (t, labels, ids, slots, memory, memory_labels,
+                                                                       memory_ids)):
+        raise ValueError("the store takes contiguous rows of the memory's dtype, keys and buffers")
     return memory, [rows_launch(stored_rows_kernel, t.shape, {}, t_ptr=t, labels_ptr=labels, ids_ptr=ids, slots_ptr=slots,
                         y_ptr=memory, y_labels_ptr=memory_labels, y_ids_ptr=memory_ids)]
