@@ -1,10 +1,13 @@
 """The host time of an eager triton step in this checkout and in another one, side by side: one worker
 process per checkout, taking turns every --chunk steps (the order alternating), so that a noisy
 machine slows both alike; the 10th percentile, median and 90th percentile of all steps per checkout.
-The step is bench/host_time.py's: on CPU (default) the GPU's launch plans on small CPU tensors, every
-launch through Triton's launch path down to a stand-in driver; --device cuda the real step.
+The steps are bench/host_time.py's (the self case, a memory bank, a full CrossBatchMemory): on CPU
+(default) the GPU's launch plans on small CPU tensors, every launch through Triton's launch path down
+to a stand-in driver, and with --replayed each step replayed by a stand-in graph, as a GPU replays it
+from a shape's third call; --device cuda the real step.
     git worktree add /tmp/before HEAD~1
     python bench/host_time_versus.py /tmp/before --out bench/results/cpu/host-time-versus.txt
+    python bench/host_time_versus.py /tmp/before --replayed --out bench/results/cpu/host-time-versus-replayed.txt
 The other checkout needs no install: its ms_loss_cuda and triton_kernels are imported from its tree
 (without its C++ extension, which the triton backend does not use).
 """
@@ -15,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from host_time import add_size_options
+from host_time import CASES, add_size_options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,17 +56,22 @@ def serve(args):
     import_checkout(args.serve)
     import torch
     from benchmark import HARDNESS, make_inputs, step_function
-    from host_time import cpu_stand_in, step_times
+    from host_time import cpu_stand_in, memory_step, stand_in_graphs, step_times
 
     from ms_loss_cuda import triton_kernels
 
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
         cpu_stand_in("launcher")
+        if args.replayed:
+            stand_in_graphs()
     x, labels, ref, ref_labels = make_inputs(args.batch, args.dim, HARDNESS["typical"],
-                                             args.ref_rows if args.case == "memory bank" else None, args.device)
+                                             None if args.case == "self" else args.ref_rows, args.device)
     x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
-    step = step_function("triton", labels, ref, ref_labels)
+    if args.case == "cross-batch memory":
+        step = memory_step(labels, ref, ref_labels)
+    else:
+        step = step_function("triton", labels, ref, ref_labels)
     step_times(step, x, 20, synchronize)  # compiles, warms the caches
     print(json.dumps(triton_kernels.__file__), flush=True)
     for line in sys.stdin:
@@ -77,6 +85,10 @@ def main():
     parser.add_argument("--turns", type=int, default=20, help="turns per checkout and case")
     parser.add_argument("--chunk", type=int, default=50, help="steps per turn")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--replayed", action="store_true",
+                        help="--device cpu: steps replayed as host_time.py's stand-in graphs (as on a GPU from a "
+                             "shape's third call), else launched")
     parser.add_argument("--out")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -84,18 +96,21 @@ def main():
     if args.serve:
         return serve(args)
     checkouts = {"this": os.path.dirname(HERE), "other": os.path.abspath(args.other)}
-    lines = [f"host time of one eager triton step on {args.device}, float16, P x 4 batches of typical hardness, "
-             f"B = {args.batch}, R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; ms over "
-             f"{args.turns} turns of {args.chunk} steps per checkout, the two taking turns (one thread each on CPU)"]
-    for case in ("self", "memory bank"):
+    how = ", replayed (stand-in graphs)" if args.replayed and args.device == "cpu" else ""
+    lines = [f"host time of one eager triton step on {args.device}{how}, float16, P x 4 batches of typical hardness, "
+             f"B = {args.batch}, R = {args.ref_rows} (memory bank, cross-batch memory), D = {args.dim}, 'mean'; ms "
+             f"over {args.turns} turns of {args.chunk} steps per checkout, the two taking turns (one thread each on "
+             f"CPU)"]
+    for case in args.cases:
         workers, times = {}, {}
         for name, root in checkouts.items():
             command = [sys.executable, __file__, "--serve", root, "--case", case, "--device", args.device,
                        "--batch", str(args.batch), "--ref-rows", str(args.ref_rows), "--dim", str(args.dim)]
+            command += ["--replayed"] if args.replayed else []
             workers[name] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                              cwd=HERE, env=dict(os.environ, PYTHONPATH=HERE))
             times[name] = []
-            if case == "self":
+            if case == args.cases[0]:
                 lines.append(f"  {name}: {root}, {revision(root)} (kernels from "
                              f"{json.loads(workers[name].stdout.readline())})")
             else:
@@ -110,7 +125,7 @@ def main():
             worker.wait()
             ranked = sorted(times[name])
             at = lambda q: ranked[round(q * (len(ranked) - 1))] * 1e3  # noqa: E731
-            lines.append(f"  {case:12s} {name:6s} p10 {at(0.1):.3f}  median {at(0.5):.3f}  p90 {at(0.9):.3f}")
+            lines.append(f"  {case:18s} {name:6s} p10 {at(0.1):.3f}  median {at(0.5):.3f}  p90 {at(0.9):.3f}")
     from host_time import report
 
     report(lines, args.out)
