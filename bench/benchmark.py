@@ -256,8 +256,8 @@ def write_results(rows, info, out):
         json.dump({"machine": info, "results": rows}, f, indent=1)
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["provider", "batch", "ref", "dim", "device", "dtype", "hardness",
-                                               "mined", "status", "seconds", "tflops", "peak_extra_mib", "kept_mib", "runs",
-                                               "first_seconds", "back_to_back_seconds", "threads"],
+                                               "mined", "status", "seconds", "tflops", "peak_extra_mib", "kept_mib",
+                                               "runs", "first_seconds", "back_to_back_seconds", "threads"],
                                 extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)

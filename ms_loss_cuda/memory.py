@@ -96,8 +96,9 @@ class CrossBatchMemory(torch.nn.Module):
         self._place(embeddings)
         batch = embeddings.shape[0]
         filled = min(self.filled + batch, self.size)
-        loss = backend.memory_loss(embeddings, labels, ids, self._slots(batch), (self.embeddings, self.labels, self.ids),
-                                   filled, self.weight, hyper_parameters, self.normalize, options["reduction"])
+        buffers = (self.embeddings, self.labels, self.ids)
+        loss = backend.memory_loss(embeddings, labels, ids, self._slots(batch), buffers, filled, self.weight,
+                                   hyper_parameters, self.normalize, options["reduction"])
         if loss is not None:
             self.calls += 1
             self.position, self.filled = (self.position + batch) % self.size, filled

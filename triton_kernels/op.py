@@ -228,7 +228,7 @@ class _EagerMemoryLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, labels, ids, slots, memory, memory_labels, memory_ids, options):
-        filled = options[4]
+        filled = options[-2]  # (options: hyper-parameters, normalize, reduction, dtype, filled, weight)
         inputs = (x, labels, ids, slots, memory, memory_labels, memory_ids)
         loss, dx = replay.call(lambda *tensors: _memory_step_with_gradients(*tensors, *options), inputs, (4, 5, 6),
                                options, x.device, x.shape[0] * (x.shape[0] + filled))

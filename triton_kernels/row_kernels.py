@@ -227,5 +227,5 @@ def stored_rows_plan(t, labels, ids, slots, memory, memory_labels, memory_ids):
     if t.dtype != memory.dtype or not all(x.is_contiguous() for x in (t, labels, ids, slots, memory, memory_labels,
                                                                        memory_ids)):
         raise ValueError("the store takes contiguous rows of the memory's dtype, keys and buffers")
-    return memory, [rows_launch(stored_rows_kernel, t.shape, {}, t_ptr=t, labels_ptr=labels, ids_ptr=ids, slots_ptr=slots,
-                        y_ptr=memory, y_labels_ptr=memory_labels, y_ids_ptr=memory_ids)]
+    return memory, [rows_launch(stored_rows_kernel, t.shape, {}, t_ptr=t, labels_ptr=labels, ids_ptr=ids,
+                                slots_ptr=slots, y_ptr=memory, y_labels_ptr=memory_labels, y_ids_ptr=memory_ids)]
