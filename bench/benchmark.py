@@ -102,10 +102,14 @@ def measure_cpu(provider, batch, args):
 
 def kept_between_steps_mib(base):
     """What a provider keeps on the GPU between steps, in MiB: the tensors still allocated above `base`,
-    and the free part of CUDA graphs' private pools, which nothing else allocates from."""
+    and the free part of CUDA graphs' private pools, which nothing else allocates from (None where
+    torch's memory snapshot does not name the pools)."""
     import torch
 
-    pools = sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
+    segments = torch.cuda.memory_snapshot()
+    if any("segment_pool_id" not in segment for segment in segments):
+        return None
+    pools = sum(segment["total_size"] - segment["allocated_size"] for segment in segments
                 if tuple(segment["segment_pool_id"]) != (0, 0))
     return (torch.cuda.memory_allocated() - base + pools) / 2**20
 
@@ -468,7 +472,7 @@ def main():
             if row["status"] == "ok":
                 last[(provider, ref_rows is None)] = row
                 compile_note = f" (first call {row['first_seconds']:.1f} s)" if provider in COMPILED else ""
-                kept = f", kept {row['kept_mib']:.0f} MiB" if "kept_mib" in row else ""
+                kept = f", kept {row['kept_mib']:.0f} MiB" if row.get("kept_mib") is not None else ""
                 print(f"{row['seconds']:.4g} s, peak +{row['peak_extra_mib']:.0f} MiB{kept}{compile_note}", flush=True)
             else:
                 print(row["status"], flush=True)
