@@ -123,12 +123,9 @@ def memory_step(labels, ref, ref_labels):
     (normalised) and their labels, ids 0 ... R - 1 (the batch's come after)."""
     import torch
 
-    import ms_loss_cuda
+    from memory_benchmark import full_memory
 
-    memory = ms_loss_cuda.CrossBatchMemory(ref.shape[0], ref.shape[1], backend="triton")
-    memory.embeddings = torch.nn.functional.normalize(ref.float(), dim=1).to(ref.dtype)
-    memory.labels, memory.ids = ref_labels.clone(), torch.arange(ref.shape[0], device=ref.device)
-    memory.filled = ref.shape[0]
+    memory = full_memory(torch.nn.functional.normalize(ref.float(), dim=1).to(ref.dtype), ref_labels, "triton")
     ids = torch.arange(ref.shape[0], ref.shape[0] + labels.shape[0], device=labels.device)
     return lambda x: memory(x, labels, ids).backward()
 

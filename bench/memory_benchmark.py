@@ -23,13 +23,20 @@ from ms_loss_cuda import CrossBatchMemory
 PROVIDERS = ("ours", "pml")
 
 
+def full_memory(rows, labels, backend="auto"):
+    """Our CrossBatchMemory, as full as its size: it holds `rows` (already normalised), their `labels`,
+    ids 0 ... len(rows) - 1."""
+    memory = CrossBatchMemory(rows.shape[0], rows.shape[1], backend=backend)
+    memory.embeddings, memory.labels = rows.clone(), labels.clone()
+    memory.ids = torch.arange(rows.shape[0], device=rows.device)
+    memory.filled = rows.shape[0]
+    return memory
+
+
 def filled_memory(provider, args, rows, labels):
     """A step function for `provider` whose memory holds `rows` (already normalised) and `labels`."""
     if provider == "ours":
-        memory = CrossBatchMemory(args.size, args.dim, backend="auto").to(rows.device)
-        memory.embeddings, memory.labels = rows.clone(), labels.clone()
-        memory.ids = torch.arange(args.size, device=rows.device)
-        memory.filled = args.size
+        memory = full_memory(rows, labels)
         return lambda x, y, ids: memory(x, y, ids)
     from pytorch_metric_learning import losses, miners
 

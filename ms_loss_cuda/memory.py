@@ -121,7 +121,7 @@ class CrossBatchMemory(torch.nn.Module):
     def _enqueue(self, x, labels, ids):
         self._place(x)
         x, labels, ids = x[-self.size:], labels[-self.size:], ids[-self.size:]  # a batch larger than the memory
-        rows = (self.position + torch.arange(x.shape[0], device=x.device)) % self.size
+        rows = self._slots(x.shape[0])
         self.embeddings.index_copy_(0, rows, x)
         self.labels.index_copy_(0, rows, labels.to(self.labels.dtype))
         self.ids.index_copy_(0, rows, ids.to(self.ids.dtype))

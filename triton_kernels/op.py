@@ -123,14 +123,15 @@ def _kept_float32_one(device):
     return one
 
 
+def _unit_rows(t, normalize):
+    """(rows, norm, finite): `t` normalised by unit_rows_plan where `normalize` (and t is given), else
+    (t, None, None)."""
+    return run(unit_rows_plan, t.device, t.contiguous()) if normalize and t is not None else (t, None, None)
+
+
 def _normalized(x, ref, normalize):
-    """(a, a_norm, a_finite, b, b_norm, b_finite): the rows the loss compares, normalised by
-    unit_rows_plan where `normalize` (else as given, the rest None)."""
-    a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
-    b, b_norm, b_finite = ref, None, None
-    if normalize and ref is not None:
-        b, b_norm, b_finite = run(unit_rows_plan, x.device, ref.contiguous())
-    return a, a_norm, a_finite, b, b_norm, b_finite
+    """(a, a_norm, a_finite, b, b_norm, b_finite): the rows the loss compares (`_unit_rows`)."""
+    return *_unit_rows(x, normalize), *_unit_rows(ref, normalize)
 
 
 def _reduced(losses, reduction, dtype, x, ref, finite):
@@ -201,7 +202,7 @@ def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, me
     before the normalisation's one backward. Every launch is on the GPU, without host
     synchronisation (what replay.call captures); storing the same rows again is harmless, so the
     capture's warm-up may run it once more."""
-    a, a_norm, a_finite = run(unit_rows_plan, x.device, x.contiguous()) if normalize else (x, None, None)
+    a, a_norm, a_finite = _unit_rows(x, normalize)
     run(stored_rows_plan, x.device, a.contiguous(), labels.contiguous(), ids.contiguous(), slots, memory, memory_labels,
         memory_ids)
     bank = memory[:filled], memory_labels[:filled], memory_ids[:filled]
