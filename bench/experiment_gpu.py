@@ -1,16 +1,20 @@
 """The kanji experiment on a GPU (bench/kanji_experiment.py --device cuda): the fixed-steps protocol at
 the sizes a GPU reaches in minutes, and the loss alone timed at each of them against the alternatives.
 
-Training (the training command, --amp bf16, --steps each, one seed unless --seeds names more): batch
-128, 512, 2048, 8192 and the largest batch the training split holds at M = 4 (its 3,351 classes x 4
-= 13,404), the last two through gradient caching; batch 128 with memories of 16,384 rows and of the
-whole training split, rendered with 12 drawings per class (40,212 rows; every setting trains on that
-rendering). Then bench/benchmark.py times one forward + backward of the loss alone at the same sizes
-(D = 128, the model's embedding, bfloat16 as under --amp bf16): ours (triton), pytorch-metric-
-learning's loss + miner and the dense loss under torch.compile, time and peak memory.
+Training (the training command, --amp bf16, --steps each, every seed of --seeds): batch 128, 512,
+2048, 8192 and the largest batch the training split holds at M = 4 (its 3,351 classes x 4 = 13,404),
+the last two through gradient caching; batch 2048 with memories of 16,384 rows and of the whole
+training split, rendered with 12 drawings per class (40,212 rows; every setting trains on that
+rendering). A memory takes no rows in its first tenth of the steps, so it must be filled by the
+batches after: at 100 steps batch 128 would store only 11,520 rows and leave both memories
+part-empty (and alike), batch 2048 fills them after 8 and 20 steps of use. The data is rendered once
+before the runs, which --jobs runs at once. Then bench/benchmark.py times one forward + backward of
+the loss alone at the same sizes (D = 128, the model's embedding, bfloat16 as under --amp bf16): ours
+(triton), pytorch-metric-learning's loss + miner and the dense loss under torch.compile, time and
+peak memory.
 Writes results.json, results.md, recall.png and loss/ (the benchmark's files) under --out.
 
-    python bench/kanji_experiment.py --device cuda --out bench/results/experiment-gpu
+    python bench/kanji_experiment.py --device cuda --jobs 14 --out bench/results/experiment-gpu
 """
 import json
 import os
@@ -19,7 +23,7 @@ import sys
 import time
 
 from experiment_report import write_report
-from experiment_runs import machine_info, run_setting
+from experiment_runs import machine_info, run_settings
 
 TRAIN_INSTANCES, TRAIN_CLASSES, PER_CLASS = 12, 3351, 4
 WHOLE_SPLIT = TRAIN_INSTANCES * TRAIN_CLASSES
@@ -30,27 +34,55 @@ SETTINGS = {
     "batch 2048": (2048, []),
     "batch 8192 (chunks of 4096)": (8192, ["--chunk-size", "4096"]),
     f"batch {LARGEST} (chunks of 4096)": (LARGEST, ["--chunk-size", "4096"]),
-    "batch 128 + memory 16384": (128, ["--memory-size", "16384"]),
-    f"batch 128 + memory {WHOLE_SPLIT}": (128, ["--memory-size", str(WHOLE_SPLIT)]),
+    "batch 2048 + memory 16384": (2048, ["--memory-size", "16384"]),
+    f"batch 2048 + memory {WHOLE_SPLIT}": (2048, ["--memory-size", str(WHOLE_SPLIT)]),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def time_the_loss(settings, out, device):
-    """bench/benchmark.py at the experiment's sizes: the batches against themselves, batch 128 against
-    the memories."""
+    """bench/benchmark.py at the experiment's sizes: the batches against themselves, the memories' batch
+    (one for all) against the memories."""
     batches = sorted({batch for batch, extra in settings.values() if "--memory-size" not in extra})
     banks = sorted({int(extra[1]) for _, extra in settings.values() if "--memory-size" in extra})
+    (bank_batch,) = {batch for batch, extra in settings.values() if "--memory-size" in extra} or {0}
     ours = "triton" if device == "cuda" else "cpu"  # (a CPU run: a smoke test, without the banks)
     command = [sys.executable, os.path.join(HERE, "benchmark.py"), "--device", device, "--dtype", "bfloat16",
                "--dim", "128", "--sizes", *map(str, batches), "--providers", ours, "compiled", "pml",
                "--repeats", "10", "--max-seconds", "5", "--out", os.path.join(out, "loss")]
-    if device == "cuda":
-        command += ["--bank", *map(str, banks), "--bank-batch", "128"]
+    if device == "cuda" and banks:
+        command += ["--bank", *map(str, banks), "--bank-batch", str(bank_batch)]
     print(f"== the loss alone\n   {' '.join(command)}", flush=True)
     subprocess.run(command, check=True)
     with open(os.path.join(out, "loss", "results.json")) as handle:
         return json.load(handle)["results"]
+
+
+def append_loss_table(loss, device, out):
+    """The loss alone's table (time and peak memory of each provider at each size), appended to
+    results.md under `out`; returns it."""
+    lines = ["", "The loss alone, bfloat16, D = 128 (ms / peak MiB above the inputs; bench/benchmark.py):", "",
+             "| B (x R) | ours | compiled | pml |", "|---|---|---|---|"]
+    shapes = sorted({(r["batch"], r["ref"]) for r in loss}, key=lambda shape: (shape[1] or 0, shape[0]))
+    for batch, ref in shapes:
+        cells = []
+        for provider in ("triton" if device == "cuda" else "cpu", "compiled", "pml"):
+            found = next((r for r in loss if (r["provider"], r["batch"], r["ref"]) == (provider, batch, ref)), None)
+            ok = found is not None and found.get("status") == "ok"
+            cells.append(f"{found['seconds'] * 1e3:.3g} ms / {found['peak_extra_mib']:.0f} MiB" if ok else
+                         (found or {}).get("status", "-"))
+        lines.append(f"| {batch if ref is None else f'{batch} x {ref}'} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "results.md"), "a") as handle:
+        handle.write(text)
+    return text
+
+
+def render_once(data):
+    """The training split and test set rendered into the cache `data` as the training command renders them
+    (its kanji defaults, TRAIN_INSTANCES drawings a training class), before runs that start at once."""
+    subprocess.run([sys.executable, "-c", "import sys; from ms_loss_cuda.train import kanji; "
+                    f"kanji.load(sys.argv[1], train_per_class={TRAIN_INSTANCES})", data], check=True)
 
 
 def main(args):
@@ -63,26 +95,16 @@ def main(args):
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
     settings = {name: SETTINGS[name] for name in (args.settings or SETTINGS)}
-    runs = {name: [run_setting(name, batch, extra, args.steps, seed, args) for seed in args.seeds]
-            for name, (batch, extra) in settings.items()}
-    info = dict(machine_info(args.device), protocol="fixed-steps", steps=args.steps,
+    render_once(args.data)
+    runs = run_settings(settings, lambda batch: args.steps, args)
+    info = dict(machine_info(args.device), protocol="fixed-steps", steps=args.steps, runs_at_once=args.jobs,
                 training_minutes=round((time.perf_counter() - started) / 60, 1))
+    results = os.path.join(args.out, "results.json")
+    with open(results, "w") as handle:  # (the training's results stand even if the timing fails)
+        json.dump({"info": info, "runs": runs}, handle, indent=1)
     loss = time_the_loss(settings, args.out, args.device)
     info["wall_minutes"] = round((time.perf_counter() - started) / 60, 1)
-    with open(os.path.join(args.out, "results.json"), "w") as handle:
+    with open(results, "w") as handle:
         json.dump({"info": info, "runs": runs, "loss": loss}, handle, indent=1)
-    text = write_report(info, runs, args.out)
-    lines = ["", "The loss alone, bfloat16, D = 128 (ms / peak MiB above the inputs; bench/benchmark.py):", "",
-             "| B (x R) | ours | compiled | pml |", "|---|---|---|---|"]
-    shapes = sorted({(r["batch"], r["ref"]) for r in loss}, key=lambda shape: (shape[1] or 0, shape[0]))
-    for batch, ref in shapes:
-        cells = []
-        for provider in ("triton" if args.device == "cuda" else "cpu", "compiled", "pml"):
-            found = next((r for r in loss if (r["provider"], r["batch"], r["ref"]) == (provider, batch, ref)), None)
-            ok = found is not None and found.get("status") == "ok"
-            cells.append(f"{found['seconds'] * 1e3:.3g} ms / {found['peak_extra_mib']:.0f} MiB" if ok else
-                         (found or {}).get("status", "-"))
-        lines.append(f"| {batch if ref is None else f'{batch} x {ref}'} | " + " | ".join(cells) + " |")
-    with open(os.path.join(args.out, "results.md"), "a") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print(text + "\n".join(lines))
+    text = write_report(info, runs, args.out) + "\n" + append_loss_table(loss, args.device, args.out)
+    print(text)

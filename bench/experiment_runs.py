@@ -1,5 +1,6 @@
-"""One run of the training command for the kanji experiment (bench/kanji_experiment.py, experiment_gpu.py),
-and the machine and build a result file records."""
+"""The runs of the training command for the kanji experiment (bench/kanji_experiment.py, experiment_gpu.py),
+one after another or several at once, and the machine and build a result file records."""
+import concurrent.futures
 import json
 import os
 import platform
@@ -10,8 +11,9 @@ import time
 from benchmark import build_name  # (bench/, this module's folder)
 
 
-def run_setting(name, batch, extra, steps, seed, args):
-    """One run of the training command; its metrics history."""
+def run_setting(name, batch, extra, steps, seed, args, log=None):
+    """One run of the training command; its metrics history. `log`: a file for the command's output
+    (the terminal when None)."""
     run_dir = os.path.join(args.out, "runs", f"{name.split(' (')[0].replace(' + ', '_').replace(' ', '_')}-seed{seed}")
     command = [sys.executable, "-m", "ms_loss_cuda.train", "--data", "kanji", "--root", args.data,
                "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed), "--out", run_dir,
@@ -21,11 +23,34 @@ def run_setting(name, batch, extra, steps, seed, args):
         command += ["--memory-warmup", str(steps // 10)]
     print(f"== {name}, seed {seed}: {steps} steps\n   {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    subprocess.run(command, check=True)
+    if log is None:
+        subprocess.run(command, check=True)
+    else:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, log), "w") as handle:
+            subprocess.run(command, check=True, stdout=handle, stderr=subprocess.STDOUT)
     with open(os.path.join(run_dir, "metrics.json")) as handle:
         history = json.load(handle)
     return {"batch": batch, "steps": steps, "seed": seed, "wall_seconds": round(time.perf_counter() - started, 1),
             "history": history}
+
+
+def run_settings(settings, steps_of, args):
+    """{name: [each seed's run]} for settings {name: (batch, extra)}; steps_of(batch) gives a run's
+    steps. With args.jobs > 1 that many runs go at once, each logging to its run folder's log.txt: on
+    a GPU a small model leaves the device mostly idle, so concurrent runs fill it (their wall_seconds
+    then count the sharing)."""
+    jobs = [(name, batch, extra, seed) for name, (batch, extra) in settings.items() for seed in args.seeds]
+    if args.jobs <= 1:
+        done = [run_setting(name, batch, extra, steps_of(batch), seed, args) for name, batch, extra, seed in jobs]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(lambda job: run_setting(*job[:3], steps_of(job[1]), job[3], args, log="log.txt"),
+                                 jobs))
+    runs = {name: [] for name in settings}
+    for (name, *_), run in zip(jobs, done):
+        runs[name].append(run)
+    return runs
 
 
 def machine_info(device):

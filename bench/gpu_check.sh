@@ -28,7 +28,8 @@
 #     TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes; a later
 #     bench-float16 of the same DIR adds the triton-tuned providers), profile (Nsight Compute on one
 #     float16 step of each fused backend at B = 16384), experiment (bench/kanji_experiment.py --device
-#     cuda, estimated at under 5 minutes; kanjivg wheels in .whl/ for a machine without a registry).
+#     cuda, EXPERIMENT_JOBS (default 14, all) training runs at once; the kanjivg wheel in .whl/ for a machine
+#     without a registry).
 # Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero
 # when a step failed. STEP_LIMIT (s) caps each step; DEADLINE (s) the whole check, whose steps past it are
 # skipped (so that what a lease's call ran comes back with time to spare).
@@ -143,8 +144,8 @@ for step in $STEPS; do
         --ref-rows 65536 --dim 512 --turns 10 --out "$DIR/host-time-versus.txt"
     fi ;;
   experiment)
-    run_step experiment 600 $PY bench/kanji_experiment.py --device cuda --data "$DIR/kanji-data" \
-      --out "$DIR/experiment-gpu" ;;
+    run_step experiment 600 $PY bench/kanji_experiment.py --device cuda --jobs "${EXPERIMENT_JOBS:-14}" \
+      --data "$DIR/kanji-data" --out "$DIR/experiment-gpu" ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
     for backend in triton cuda; do
       run_step "profile-$backend" 300 ncu --clock-control none \

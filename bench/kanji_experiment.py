@@ -25,7 +25,7 @@ import os
 import time
 
 from experiment_report import write_report
-from experiment_runs import machine_info, run_setting
+from experiment_runs import machine_info, run_settings
 
 # name: (batch, training command arguments); fixed-steps on CPU, sized to finish within 90 minutes on 2 cores
 FIXED_STEPS = {
@@ -45,7 +45,7 @@ EQUAL_IMAGES = {
 }
 
 
-def main():
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--protocol", choices=("fixed-steps", "equal-images"), default="fixed-steps")
     parser.add_argument("--out", default="bench/results/experiment/fixed-steps")
@@ -56,15 +56,27 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--evaluations", type=int, default=0,
                         help="evaluations besides the untrained and the final one (0: none)")
+    parser.add_argument("--jobs", type=int, default=1, help="training runs at once (a GPU: several)")
     parser.add_argument("--with-8192", action="store_true", help="fixed-steps: also batch 8192 (gradient caching)")
     parser.add_argument("--settings", nargs="+", help="run only these settings (names as in the table)")
     parser.add_argument("--report", metavar="RESULTS_JSON", help="only remake the tables and plot of a finished run")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more training command arguments")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args.report:
         with open(args.report) as handle:
             done = json.load(handle)
-        return print(write_report(done["info"], done["runs"], os.path.dirname(os.path.abspath(args.report))))
+        out = os.path.dirname(os.path.abspath(args.report))
+        text = write_report(done["info"], done["runs"], out)
+        if "loss" in done:  # (a GPU run's: the loss alone timed at its sizes)
+            from experiment_gpu import append_loss_table
+
+            text += "\n" + append_loss_table(done["loss"], done["info"]["device"], out)
+        return print(text)
     if args.device == "cuda":
         from experiment_gpu import main as gpu_main
 
@@ -78,10 +90,8 @@ def main():
         settings = {name: settings[name] for name in args.settings}
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
-    runs = {}
-    for name, (batch, extra) in settings.items():
-        steps = args.steps if args.protocol == "fixed-steps" else args.images // batch
-        runs[name] = [run_setting(name, batch, extra, steps, seed, args) for seed in args.seeds]
+    runs = run_settings(settings, lambda batch: args.steps if args.protocol == "fixed-steps" else args.images // batch,
+                        args)
     info = dict(machine_info(args.device), protocol=args.protocol, wall_minutes=round((time.perf_counter() - started)
                                                                                       / 60, 1))
     info.update(steps=args.steps) if args.protocol == "fixed-steps" else info.update(images=args.images)

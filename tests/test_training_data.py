@@ -183,5 +183,6 @@ def test_kanji_sets(tmp_path):
     assert y.tolist() == np.repeat(np.arange(10), 3).tolist()
     assert (x.reshape(30, -1).max(axis=1) > 100).all()  # every drawing has strokes
     assert not np.array_equal(x[0], x[1])  # instances of a class differ
+    assert [p.name.count(".") for p in tmp_path.iterdir()] == [1]  # one cache file, its part renamed into place
     again = kanji.load(str(tmp_path), train_per_class=3, test_per_class=2, size=24, classes=20)  # from the cache
     np.testing.assert_array_equal(again["train"][0], x)

@@ -150,6 +150,7 @@ def load(cache_dir, *, train_per_class=8, test_per_class=5, size=32, jitter=1.8,
     train = render_set(train_files, train_per_class, size=size, seed=seed, jitter=jitter)
     test = render_set(test_files, test_per_class, size=size, seed=seed + 1, jitter=jitter)
     os.makedirs(cache_dir, exist_ok=True)
-    np.savez(path + ".tmp.npz", train_x=train[0], train_y=train[1], test_x=test[0], test_y=test[1])
-    os.replace(path + ".tmp.npz", path)
+    part = f"{path}.{os.getpid()}.tmp.npz"  # (processes rendering at once, as torchrun's, each write their own)
+    np.savez(part, train_x=train[0], train_y=train[1], test_x=test[0], test_y=test[1])
+    os.replace(part, path)
     return {"train": train, "test": test}
