@@ -162,11 +162,12 @@ def test_triton_needs_a_gpu_of_compute_capability_8(monkeypatch):
     compile without tensor-core instructions and spill, so "auto" must not pick it there."""
     pytest.importorskip("triton")
     from ms_loss_cuda import backends
+    from ms_loss_cuda.triton_kernels import launcher
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
     for capability, reason in (((7, 5), "compute capability 8.0 or newer"), ((8, 6), None), ((12, 0), None)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(launcher, "device_capability", lambda device: capability)  # (the GPU's, asked once)
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             got = backends.get("triton").unavailable_reason(cuda, dtype)
             assert got is None if reason is None else reason in got

@@ -27,11 +27,12 @@ class TritonBackend(Backend):
             return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
         if device.type not in ("cpu", "cuda"):
             return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
-        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
-            # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core
-            # instructions and spill (bench/kernel_resources.py --cc 75)
+        # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core instructions
+        # and spill (bench/kernel_resources.py --cc 75). (Asked at every call: the capability is the
+        # launcher's, queried once a device.)
+        if device.type == "cuda" and torch.cuda.is_available() and launcher.device_capability(device) < (8, 0):
             return (f"it needs a GPU of compute capability 8.0 or newer (as Triton does), "
-                    f"got {torch.cuda.get_device_capability(device)}")
+                    f"got {launcher.device_capability(device)}")
         return None
 
     def unit_rows(self, t):

@@ -89,7 +89,9 @@ def signature(inputs, kept, options, device):
                 torch.are_deterministic_algorithms_enabled(), launcher.tile_config)
     if device.type == "cuda":
         matmul = torch.backends.cuda.matmul
-        settings += (torch.cuda.current_stream(device).cuda_stream, matmul.allow_tf32,
+        # (the stream's raw handle, as Triton's launches take it, where torch.cuda.current_stream would
+        # build a Stream object at every call)
+        settings += (torch._C._cuda_getCurrentRawStream(device.index), matmul.allow_tf32,
                      matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
                      getattr(matmul, "allow_fp16_accumulation", False))
     first = {}
