@@ -78,11 +78,11 @@ def append_loss_table(loss, device, out):
     return text
 
 
-def render_once(data):
-    """The training split and test set rendered into the cache `data` as the training command renders them
-    (its kanji defaults, TRAIN_INSTANCES drawings a training class), before runs that start at once."""
-    subprocess.run([sys.executable, "-c", "import sys; from ms_loss_cuda.train import kanji; "
-                    f"kanji.load(sys.argv[1], train_per_class={TRAIN_INSTANCES})", data], check=True)
+def render_once(data, extra):
+    """The training split and test set rendered into the cache `data` before runs that start at once: the
+    training command's own data loading, with the runs' arguments (`extra`, where the kanji options are)."""
+    subprocess.run([sys.executable, "-c", "import sys; from ms_loss_cuda.train.__main__ import load_data, parse_args; "
+                    "load_data(parse_args(sys.argv[1:]))", "--data", "kanji", "--root", data, *extra], check=True)
 
 
 def main(args):
@@ -94,8 +94,13 @@ def main(args):
         args.out = "bench/results/experiment-gpu"
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
+    unknown = sorted(set(args.settings or ()) - set(SETTINGS))
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
     settings = {name: SETTINGS[name] for name in (args.settings or SETTINGS)}
-    render_once(args.data)
+    if len({batch for batch, extra in settings.values() if "--memory-size" in extra}) > 1:
+        raise SystemExit("the memory settings must share one batch size (the loss is timed at one)")
+    render_once(args.data, args.extra)
     runs = run_settings(settings, lambda batch: args.steps, args)
     info = dict(machine_info(args.device), protocol="fixed-steps", steps=args.steps, runs_at_once=args.jobs,
                 training_minutes=round((time.perf_counter() - started) / 60, 1))

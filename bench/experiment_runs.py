@@ -11,10 +11,15 @@ import time
 from benchmark import build_name  # (bench/, this module's folder)
 
 
+def run_folder(name, seed, out):
+    """A run's folder under `out`: the setting's name up to its remark in brackets, and the seed."""
+    return os.path.join(out, "runs", f"{name.split(' (')[0].replace(' + ', '_').replace(' ', '_')}-seed{seed}")
+
+
 def run_setting(name, batch, extra, steps, seed, args, log=None):
-    """One run of the training command; its metrics history. `log`: a file for the command's output
-    (the terminal when None)."""
-    run_dir = os.path.join(args.out, "runs", f"{name.split(' (')[0].replace(' + ', '_').replace(' ', '_')}-seed{seed}")
+    """One run of the training command; its metrics history. `log`: a file in the run's folder for the
+    command's output (the terminal when None; a failure then prints the file's last lines)."""
+    run_dir = run_folder(name, seed, args.out)
     command = [sys.executable, "-m", "ms_loss_cuda.train", "--data", "kanji", "--root", args.data,
                "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed), "--out", run_dir,
                "--eval-every", str(max(1, steps // args.evaluations)) if args.evaluations else "0",
@@ -28,7 +33,12 @@ def run_setting(name, batch, extra, steps, seed, args, log=None):
     else:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, log), "w") as handle:
-            subprocess.run(command, check=True, stdout=handle, stderr=subprocess.STDOUT)
+            failed = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
+        if failed:
+            with open(os.path.join(run_dir, log)) as handle:
+                tail = "".join(handle.readlines()[-20:])
+            raise RuntimeError(f"{name}, seed {seed}: the training command failed (exit {failed}); the end of "
+                               f"{os.path.join(run_dir, log)}:\n{tail}")
     with open(os.path.join(run_dir, "metrics.json")) as handle:
         history = json.load(handle)
     return {"batch": batch, "steps": steps, "seed": seed, "wall_seconds": round(time.perf_counter() - started, 1),
@@ -41,12 +51,20 @@ def run_settings(settings, steps_of, args):
     a GPU a small model leaves the device mostly idle, so concurrent runs fill it (their wall_seconds
     then count the sharing)."""
     jobs = [(name, batch, extra, seed) for name, (batch, extra) in settings.items() for seed in args.seeds]
+    folders = [run_folder(name, seed, args.out) for name, _, _, seed in jobs]
+    if len(set(folders)) < len(folders):
+        raise ValueError(f"two runs would share a folder: {sorted(f for f in folders if folders.count(f) > 1)}")
     if args.jobs <= 1:
         done = [run_setting(name, batch, extra, steps_of(batch), seed, args) for name, batch, extra, seed in jobs]
-    else:
+    else:  # (the first failure cancels the runs not started and is raised once the running ones end)
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            done = list(pool.map(lambda job: run_setting(*job[:3], steps_of(job[1]), job[3], args, log="log.txt"),
-                                 jobs))
+            futures = [pool.submit(run_setting, name, batch, extra, steps_of(batch), seed, args, "log.txt")
+                       for name, batch, extra, seed in jobs]
+            for future in concurrent.futures.as_completed(futures):
+                if future.exception() is not None:
+                    pool.shutdown(cancel_futures=True)
+                    raise future.exception()
+        done = [future.result() for future in futures]
     runs = {name: [] for name in settings}
     for (name, *_), run in zip(jobs, done):
         runs[name].append(run)

@@ -30,9 +30,10 @@ class TritonBackend(Backend):
         # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core instructions
         # and spill (bench/kernel_resources.py --cc 75). (Asked at every call: the capability is the
         # launcher's, queried once a device.)
-        if device.type == "cuda" and torch.cuda.is_available() and launcher.device_capability(device) < (8, 0):
-            return (f"it needs a GPU of compute capability 8.0 or newer (as Triton does), "
-                    f"got {launcher.device_capability(device)}")
+        if device.type == "cuda" and torch.cuda.is_available():
+            capability = launcher.device_capability(device)
+            if capability < (8, 0):
+                return f"it needs a GPU of compute capability 8.0 or newer (as Triton does), got {capability}"
         return None
 
     def unit_rows(self, t):

@@ -226,13 +226,18 @@ def device_multiprocessors(device, interpret):
     """What the column splits are sized for: the GPU's multiprocessors; under the interpreter a few
     (so that the tests run split launches); for plans made on CPU tensors without it, an H100's 132."""
     if device.type == "cuda":
-        return _device_facts(device)[1]
+        return _device_facts(_indexed(device))[1]
     return 4 if interpret else 132
 
 
 def device_capability(device):
     """What the tile table is chosen for: the GPU's compute capability; for plans made on CPU tensors, an H100's."""
-    return _device_facts(device)[0] if device.type == "cuda" else (9, 0)
+    return _device_facts(_indexed(device))[0] if device.type == "cuda" else (9, 0)
+
+
+def _indexed(device):
+    """A CUDA device with its index: "cuda" alone names the current one, which can change."""
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 @functools.cache

@@ -151,6 +151,10 @@ def load(cache_dir, *, train_per_class=8, test_per_class=5, size=32, jitter=1.8,
     test = render_set(test_files, test_per_class, size=size, seed=seed + 1, jitter=jitter)
     os.makedirs(cache_dir, exist_ok=True)
     part = f"{path}.{os.getpid()}.tmp.npz"  # (processes rendering at once, as torchrun's, each write their own)
-    np.savez(part, train_x=train[0], train_y=train[1], test_x=test[0], test_y=test[1])
-    os.replace(part, path)
+    try:
+        np.savez(part, train_x=train[0], train_y=train[1], test_x=test[0], test_y=test[1])
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):  # (a write that failed part-way)
+            os.remove(part)
     return {"train": train, "test": test}

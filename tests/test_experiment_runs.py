@@ -1,0 +1,45 @@
+"""The kanji experiment's runner (bench/experiment_runs.py): runs grouped by setting in seed order,
+one at a time or several at once; two runs never share a folder; a failed run stops the experiment
+with the end of its log."""
+import argparse
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import experiment_runs  # noqa: E402
+
+
+def _args(tmp_path, jobs, seeds=(0, 1), extra=()):
+    return argparse.Namespace(out=str(tmp_path), data=str(tmp_path / "data"), seeds=list(seeds), jobs=jobs,
+                              evaluations=0, device="cpu", extra=list(extra))
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_runs_are_grouped_by_setting_in_seed_order(tmp_path, monkeypatch, jobs):
+    def fake_run(name, batch, extra, steps, seed, args, log=None):
+        time.sleep(0.01 * (3 - seed))  # (later seeds finish first when they run at once)
+        return {"name": name, "batch": batch, "steps": steps, "seed": seed, "logged": log is not None}
+
+    monkeypatch.setattr(experiment_runs, "run_setting", fake_run)
+    settings = {"batch 8": (8, []), "batch 32 + memory 64": (32, ["--memory-size", "64"])}
+    runs = experiment_runs.run_settings(settings, lambda batch: 1000 // batch, _args(tmp_path, jobs, (0, 1, 2)))
+    assert list(runs) == list(settings)
+    for name, (batch, _) in settings.items():
+        assert [r["seed"] for r in runs[name]] == [0, 1, 2]
+        assert {(r["name"], r["batch"], r["steps"], r["logged"]) for r in runs[name]} == {
+            (name, batch, 1000 // batch, jobs > 1)}
+
+
+def test_two_runs_may_not_share_a_folder(tmp_path):
+    settings = {"batch 8 (chunks of 2)": (8, ["--chunk-size", "2"]), "batch 8 (chunks of 4)": (8, ["--chunk-size", "4"])}
+    with pytest.raises(ValueError, match="share a folder"):
+        experiment_runs.run_settings(settings, lambda batch: 1, _args(tmp_path, 2))
+
+
+def test_a_failed_run_stops_the_runs_with_the_end_of_its_log(tmp_path):
+    settings = {"batch 8": (8, [])}  # (an argument the training command refuses: it exits at once)
+    with pytest.raises(RuntimeError, match="unrecognized arguments: --no-such-option"):
+        experiment_runs.run_settings(settings, lambda batch: 1, _args(tmp_path, 2, extra=["--no-such-option"]))
