@@ -16,12 +16,14 @@ the loss is scaled. float32 takes grad_output 1.
         --dtypes float32 float16 bfloat16 --precisions highest high --out bench/results/gpu/accuracy.txt
 """
 import argparse
+import contextlib
 import time
 
 import torch
 
 import ms_loss_cuda
 from providers import make_inputs  # (bench/, this script's folder)
+from triton_internals import split_products
 
 
 def loss_and_grad(x, labels, ref, ref_labels, backend, scale=1.0):
@@ -58,11 +60,14 @@ def main():
                         help="torch.set_float32_matmul_precision for the float32 runs (highest is torch's default)")
     parser.add_argument("--grad-scale", type=float, default=1024.0,
                         help="the 16-bit runs' grad_output (a loss scale; the gradient is divided by it)")
+    parser.add_argument("--split-products", action="store_true",
+                        help="triton: its float32 backward's products as three TF32 products (bench/triton_internals.py)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
 
     shapes = [(b, None) for b in args.sizes] + [(args.bank_batch, r) for r in args.bank]
-    lines = [f"{args.backend} against the float64 reference, D = {args.dim}, {args.device} "
+    variant = " (its float32 backward's products split into TF32 parts)" if args.split_products else ""
+    lines = [f"{args.backend}{variant} against the float64 reference, D = {args.dim}, {args.device} "
              f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}",
              f"{'dtype':<18} {'shape':>16} {'loss':>9} {'dx (max)':>9} {'dx (norm)':>9}  grad_output  finite"]
@@ -73,7 +78,8 @@ def main():
         name = dtype + (f" ({precision})" if dtype == "float32" else "")
         for batch, ref_rows in shapes:
             scale = 1.0 if dtype == "float32" else args.grad_scale
-            e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim, scale)
+            with split_products() if args.split_products else contextlib.nullcontext():
+                e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim, scale)
             shape = f"{batch}" if ref_rows is None else f"{batch} x {ref_rows}"
             lines.append(f"{name:<18} {shape:>16} {e['loss']:>9.2g} {e['grad_max']:>9.2g} {e['grad_norm']:>9.2g}"
                          f"  {scale:>11g}  {e['finite']}")

@@ -12,21 +12,23 @@ bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and back
 GPU call can sweep and time them beside the shipped entries), `compiled` (the dense MS loss and miner
 written plainly in torch, bench/compiled_loss.py, under torch.compile: what a user writes instead of
 this library), `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner), and
-`NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
+`triton-split` (float32: the chunked backward's cuBLAS products as three TF32 products of split
+operands, bench/triton_internals.py), `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
 The data is a P x M batch (M = PER_CLASS samples per class around class centres); the hardness sets
 the noise and so the fraction of pairs mining keeps: easy (noise 1.2, under 0.1%), typical (2.0,
 about 12%), hard (3.0, about 75%). The lines that reach into the Triton backend's internals (its tile
-table) live in bench/triton_internals.py alone.
+table, its backward's products) live in bench/triton_internals.py alone.
 """
 import os
 
 TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
+SPLIT = ("triton-split",)  # on request: float32's alone differs from triton
 COMPILED = ("compiled", "compiled-graph")
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, "cuda", *COMPILED, "pml")
-FUSED = ("cpu", *TRITON, *TUNED, "cuda")
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, "cuda", *COMPILED, "pml")
+FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
 PROVIDER_HELP = {
@@ -39,6 +41,8 @@ PROVIDER_HELP = {
                      " (MS_LOSS_CUDA_GRAPHS=0)",
     "triton-fused": "the Triton backend with its fused backward (MS_LOSS_TRITON_CHUNK_MB=0)",
     "triton-tuned": "the Triton backend on the winners of bench/tune_triton.py's sweep (--tuned)",
+    "triton-split": "the Triton backend, its float32 backward's cuBLAS products as three TF32 products of split"
+                    " operands (bench/triton_internals.py)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
     "compiled": "the dense loss + miner written plainly in torch (bench/compiled_loss.py) under torch.compile;"
                 " compiled by its first call, untimed",
@@ -110,6 +114,10 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
             from triton_internals import with_tiles  # (bench/, this module's folder)
 
             return with_tiles(step, tuned)
+        if provider == "triton-split":
+            from triton_internals import with_split_products
+
+            return with_split_products(step)
     return step
 
 

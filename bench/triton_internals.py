@@ -1,5 +1,16 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
-triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep)."""
+triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep), and the
+chunked backward's cuBLAS products, for the triton-split provider.
+
+triton-split asks whether the float32 backward's products should leave CUDA cores. Under torch's
+default float32 precision ("highest") they are IEEE float32 products, which an H100 runs at about a
+tenth of its TF32 rate. triton-split computes each as three TF32 products instead: every operand is
+split into a TF32 high part and the float32 rest, and hi hi + hi lo + lo hi is summed in float32.
+This drops only lo lo (2^-22 of the product) and the rest's rounding to TF32, which is about the
+error of a float32 product, as the kernels' own "tf32x3" tiles have. It costs two more buffers of a
+chunk's size, and the elementwise passes that split them.
+"""
+import contextlib
 import json
 
 
@@ -31,3 +42,53 @@ def tuned_from(path, dtype):
     if not found:
         return None, f"{path} has no winners for {dtype}"
     return tune_triton.tuned_table(found), {kind: repr(config) for kind, config in found.items()}
+
+
+def tf32_parts(t):
+    """(hi, lo) of a float32 tensor: hi its values rounded to TF32's 10-bit mantissa (to nearest, on the
+    bits), lo = t - hi, exact in float32."""
+    import torch
+
+    hi = ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+    return hi, t - hi
+
+
+@contextlib.contextmanager
+def split_products():
+    """Within: the chunked backward's float32 products (backward.Product) under "highest" computed as
+    three TF32 products of split operands (the module's docstring)."""
+    import torch
+
+    from ms_loss_cuda.triton_kernels import backward
+
+    shipped = backward.Product.__call__
+
+    def split_product(product):
+        if product.w.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
+            return shipped(product)
+        (w_hi, w_lo), (b_hi, b_lo) = tf32_parts(product.w), tf32_parts(product.b)
+        matmul, allowed = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+        matmul.allow_tf32 = True
+        try:
+            result = torch.addmm(torch.addmm(w_hi @ b_hi, w_hi, b_lo), w_lo, b_hi)
+        finally:
+            matmul.allow_tf32 = allowed
+        if product.accumulate:
+            product.out.addcmul_(result, product.unlift)
+        else:
+            torch.mul(result, product.unlift, out=product.out)
+
+    backward.Product.__call__ = split_product
+    try:
+        yield
+    finally:
+        backward.Product.__call__ = shipped
+
+
+def with_split_products(step):
+    """`step` under `split_products`."""
+    def run(x):
+        with split_products():
+            step(x)
+
+    return run
