@@ -23,7 +23,7 @@ import torch
 
 import ms_loss_cuda
 from providers import make_inputs  # (bench/, this script's folder)
-from triton_internals import split_products
+from triton_internals import fp16x3_tiles, split_products
 
 
 def loss_and_grad(x, labels, ref, ref_labels, backend, scale=1.0):
@@ -62,11 +62,20 @@ def main():
                         help="the 16-bit runs' grad_output (a loss scale; the gradient is divided by it)")
     parser.add_argument("--split-products", action="store_true",
                         help="triton: its float32 backward's products as three TF32 products (bench/triton_internals.py)")
+    parser.add_argument("--fp16x3", action="store_true",
+                        help="triton: its float32 S tiles as three float16 products (bench/triton_internals.py)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
+    if args.fp16x3:  # (for the whole run: the reference backend has no tiles)
+        from ms_loss_cuda.triton_kernels import launcher
+
+        launcher.tile_config = fp16x3_tiles()
 
     shapes = [(b, None) for b in args.sizes] + [(args.bank_batch, r) for r in args.bank]
-    variant = " (its float32 backward's products split into TF32 parts)" if args.split_products else ""
+    variant = ", ".join(name for name, on in (("float32 S tiles as fp16x3", args.fp16x3),
+                                              ("float32 backward products split into TF32 parts", args.split_products))
+                        if on)
+    variant = f" ({variant})" if variant else ""
     lines = [f"{args.backend}{variant} against the float64 reference, D = {args.dim}, {args.device} "
              f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}",

@@ -6,13 +6,14 @@
 # (bench/results/gpu/h100/gpu-check-env.txt). Steps:
 #   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
 #     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
-#     and bfloat16; then float32 with triton-split's products (accuracy-split.txt);
+#     and bfloat16; then float32 with the variants of triton-fp16x3-split (accuracy-variants.txt);
 #   bench: the speed targets side by side, D = 512, as four parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
 #       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
 #       compiled (torch.compile of the dense loss), pml;
-#     bench-float32: B = 16384 for matmul4, triton, triton-split (its backward's products as three TF32
-#       products, bench/triton_internals.py), compiled, pml;
+#     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-split (the backward's
+#       products as three TF32 products), triton-fp16x3 (the S tiles as three float16 products) and
+#       triton-fp16x3-split (bench/triton_internals.py), compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
 #   bench-dtypes (on request): full runs of BENCH_DTYPES (default "bfloat16 float32-tf32");
@@ -80,7 +81,8 @@ bench_step() {  # one of the bench step's parts (see the header)
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
-      --providers matmul4 triton triton-split compiled pml --repeats 5 --out "$DIR/bench-float32" ;;
+      --providers matmul4 triton triton-split triton-fp16x3 triton-fp16x3-split compiled pml --repeats 5 \
+      --out "$DIR/bench-float32" ;;
   bench-xbm)
     for dtype in float16 float32; do
       run_step "bench-xbm-$dtype" 120 $PY bench/memory_benchmark.py --device cuda --dtype $dtype --providers ours pml \
@@ -135,8 +137,8 @@ for step in $STEPS; do
   accuracy)  # the triton backend's error against the float64 reference at the benchmark's sizes
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"
-    run_step accuracy-split 60 $PY bench/accuracy.py --device cuda --sizes 16384 --bank 262144 --dtypes float32 \
-      --split-products --out "$DIR/accuracy-split.txt" ;;
+    run_step accuracy-variants 60 $PY bench/accuracy.py --device cuda --sizes 16384 --bank 262144 --dtypes float32 \
+      --fp16x3 --split-products --out "$DIR/accuracy-variants.txt" ;;
   host)
     for batch in 1024 16384; do  # (the self case at B and a bank of 262144 rows)
       run_step "host-time-$batch" 120 $PY bench/host_time.py --device cuda --batch $batch --ref-rows 262144 \

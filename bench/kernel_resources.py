@@ -5,9 +5,11 @@ tests/triton_aot.py checks every launch for spills with the Triton the project p
     python bench/kernel_resources.py [--cc 90] [--dtype float16] [--rows 4096] [--kernels negatives weights]
     python bench/kernel_resources.py --cc 75 --kernels minpos negatives finish grad  (T4: why Triton needs 8.0)
                                      [--tiles 128,64,64,8,3 ...]
+    python bench/kernel_resources.py --dtype float32 --precision fp16x3   (float32's S tiles as float16 products)
 --rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
 divisibility hint on the row and column ends, and can change registers and spills).
-The SASS count is the whole kernel, both sides of every branch."""
+The SASS count is the whole kernel, both sides of every branch; "wgmma" counts its Hopper
+tensor-core instructions (HGMMA)."""
 import argparse
 import os
 import re
@@ -43,7 +45,8 @@ def resources(launch, cc):
                               capture_output=True, text=True, check=True).stdout
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
     instructions = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
-    return number(r"Used (\d+) registers"), number(r"(\d+) bytes spill stores"), instructions
+    return (number(r"Used (\d+) registers"), number(r"(\d+) bytes spill stores"), instructions,
+            len(re.findall(r"\bHGMMA\b", sass)))
 
 
 def main():
@@ -54,27 +57,31 @@ def main():
     parser.add_argument("--rows", type=int, default=triton_aot.ROWS)
     parser.add_argument("--kernels", nargs="+", default=["negatives", "minpos", "finish", "weights", "grad"],
                         help="name prefixes")
+    parser.add_argument("--precision", help="the launches' PRECISION instead of the shipped one (fp16x3: float32's"
+                                            " S tiles as float16 products, bench/triton_internals.py)")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages, each besides the shipped tiles")
     args = parser.parse_args()
     triton_aot.ROWS = args.rows
     print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on"
-          + ("" if args.rows == 4096 else f", B = {args.rows}"))
+          + ("" if args.rows == 4096 else f", B = {args.rows}") + (f", PRECISION {args.precision}" if args.precision else ""))
     for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
         if not name.startswith(tuple(args.kernels)):
             continue
         for tiles in [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]:
             launch = shipped
+            if args.precision:
+                launch = launch._replace(constexprs=dict(launch.constexprs, PRECISION=args.precision))
             if tiles:
                 block_m, block_n, block_k, warps, stages = tiles
-                launch = shipped._replace(constexprs=dict(shipped.constexprs, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                          BLOCK_K=block_k), num_warps=warps, num_stages=stages)
+                launch = launch._replace(constexprs=dict(launch.constexprs, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                         BLOCK_K=block_k), num_warps=warps, num_stages=stages)
             c = launch.constexprs
             shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {launch.num_warps} warps, "
                      f"{launch.num_stages} stages")
-            registers, spills, instructions = resources(launch, args.cc)
-            print(f"{name:95s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS",
-                  flush=True)
+            registers, spills, instructions, wgmma = resources(launch, args.cc)
+            print(f"{name:95s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS"
+                  f" {wgmma:4d} wgmma", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ GPU call can sweep and time them beside the shipped entries), `compiled` (the de
 written plainly in torch, bench/compiled_loss.py, under torch.compile: what a user writes instead of
 this library), `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner), and
 `triton-split` (float32: the chunked backward's cuBLAS products as three TF32 products of split
-operands, bench/triton_internals.py), `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
+operands), `triton-fp16x3` (float32: the S tiles as three float16 products of split unit rows) and
+`triton-fp16x3-split` (both; bench/triton_internals.py), `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
 The data is a P x M batch (M = PER_CLASS samples per class around class centres); the hardness sets
@@ -25,7 +26,7 @@ import os
 
 TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
-SPLIT = ("triton-split",)  # on request: float32's alone differs from triton
+SPLIT = ("triton-split", "triton-fp16x3", "triton-fp16x3-split")  # on request: float32's alone differ from triton
 COMPILED = ("compiled", "compiled-graph")
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, "cuda", *COMPILED, "pml")
 FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, "cuda")
@@ -43,6 +44,9 @@ PROVIDER_HELP = {
     "triton-tuned": "the Triton backend on the winners of bench/tune_triton.py's sweep (--tuned)",
     "triton-split": "the Triton backend, its float32 backward's cuBLAS products as three TF32 products of split"
                     " operands (bench/triton_internals.py)",
+    "triton-fp16x3": "the Triton backend, its float32 S tiles as three float16 products of split unit rows"
+                     " (bench/triton_internals.py)",
+    "triton-fp16x3-split": "triton-fp16x3 and triton-split together",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
     "compiled": "the dense loss + miner written plainly in torch (bench/compiled_loss.py) under torch.compile;"
                 " compiled by its first call, untimed",
@@ -114,10 +118,12 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
             from triton_internals import with_tiles  # (bench/, this module's folder)
 
             return with_tiles(step, tuned)
-        if provider == "triton-split":
-            from triton_internals import with_split_products
+        if provider in SPLIT:
+            from triton_internals import fp16x3_tiles, with_split_products, with_tiles
 
-            return with_split_products(step)
+            if provider.startswith("triton-fp16x3"):
+                step = with_tiles(step, fp16x3_tiles())
+            return with_split_products(step) if provider.endswith("-split") else step
     return step
 
 

@@ -1,6 +1,13 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
-triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep), and the
-chunked backward's cuBLAS products, for the triton-split provider.
+triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep) and
+triton-fp16x3, and the chunked backward's cuBLAS products, for triton-split.
+
+triton-fp16x3 asks whether the float32 S tiles should take float16 tensor cores. Their shipped form,
+"tf32x3", is three TF32 products. "fp16x3" is three float16 products of unit rows split into a float16
+part and the rest scaled by 2^11 (pairs.similarity_tile). Hopper's float16 rate is twice its TF32
+rate, and compiled for sm_90 the kernels issue half the wgmma instructions, without spills
+(bench/kernel_resources.py --dtype float32 --precision fp16x3). It is valid for rows of magnitude at
+most 1, as the loss's own normalisation makes them.
 
 triton-split asks whether the float32 backward's products should leave CUDA cores. Under torch's
 default float32 precision ("highest") they are IEEE float32 products, which an H100 runs at about a
@@ -27,6 +34,21 @@ def with_tiles(step, table):
             launcher.tile_config = shipped
 
     return run
+
+
+def fp16x3_tiles(table=None):
+    """`table` (the shipped tile table unless given) with float32's S tiles as "fp16x3"."""
+    import torch
+
+    from ms_loss_cuda.triton_kernels import launcher
+
+    table = table or launcher.tile_config
+
+    def config(kind, dtype, *args, **kwargs):
+        entry = table(kind, dtype, *args, **kwargs)
+        return dict(entry, PRECISION="fp16x3") if dtype == torch.float32 else entry
+
+    return config
 
 
 def tuned_from(path, dtype):

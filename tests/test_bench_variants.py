@@ -48,3 +48,32 @@ def test_split_products_give_the_shipped_gradient(monkeypatch, bank):
     assert grads[0].abs().max() > 0
     assert counts["shipped"] > 0 and counts["split"] == 2 * counts["shipped"]  # (each split product: two operands)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bank", [False, True])
+def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
+    """triton-fp16x3's S tiles (three float16 products of split unit rows, pairs.similarity_tile) against
+    the float64 reference: the interpreter rounds the float16 parts as a GPU does."""
+    import ms_loss_cuda
+    import triton_internals
+    from ms_loss_cuda.triton_kernels import launcher
+
+    x0, labels, ref, ref_labels = make_inputs(37, 24, ref_rows=53 if bank else None)
+
+    def loss_and_grad(x, ref, backend):
+        x = x.clone().requires_grad_()
+        loss = ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
+                                                  reduction=reduction, backend=backend)
+        loss.backward(torch.tensor(0.5, dtype=loss.dtype))
+        return loss.detach().double(), x.grad.double()
+
+    expected = loss_and_grad(x0.double(), None if ref is None else ref.double(), "reference")
+    shipped = launcher.tile_config
+    launcher.tile_config = triton_internals.fp16x3_tiles()
+    try:
+        got = loss_and_grad(x0, ref, "triton")
+    finally:
+        launcher.tile_config = shipped
+    assert abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    assert (got[1] - expected[1]).abs().max() <= 1e-5 * expected[1].abs().max()

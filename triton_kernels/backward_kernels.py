@@ -149,7 +149,9 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
         if UPCAST:
             b = b.to(tl.float32)
-        acc = tl.dot((h * row_scale[:, None]).to(b.dtype), b, acc, input_precision=PRECISION)
+        # (fp16x3 is the S tiles' alone: these weights are not unit rows)
+        acc = tl.dot((h * row_scale[:, None]).to(b.dtype), b, acc,
+                     input_precision="tf32x3" if PRECISION == "fp16x3" else PRECISION)
     acc = acc * (tl.load(norm_ptr) / row_scale)[:, None]
     out_ptr += tl.program_id(2).to(tl.int64) * num_a * dim
     if LABEL_ORDER:

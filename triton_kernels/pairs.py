@@ -118,8 +118,12 @@ def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T: any row and column indices (a block,
-    or a gathered list), rows of both `dim` long; 64-bit offsets (B * D may pass 2^31)."""
+    or a gathered list), rows of both `dim` long; 64-bit offsets (B * D may pass 2^31).
+    PRECISION: a float32 `tl.dot`'s ("tf32x3", "tf32", "ieee"), or "fp16x3", float32 rows of magnitude
+    at most 1 (unit rows) as three float16 products: each operand split into its float16 value and the
+    rest scaled by 2^11, hi hi + (hi lo + lo hi) / 2^11, which leaves out lo lo (2^-22 of the product)."""
     s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rest = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (fp16x3's cross terms; unused otherwise)
     for k in range(0, dim, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :],
@@ -129,7 +133,16 @@ def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
         if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
             a = a.to(tl.float32)
             b_t = b_t.to(tl.float32)
-        s = tl.dot(a, b_t, s, input_precision=PRECISION)
+        if PRECISION == "fp16x3":
+            a_hi = a.to(tl.float16)
+            b_hi = b_t.to(tl.float16)
+            s = tl.dot(a_hi, b_hi, s)
+            rest = tl.dot(a_hi, ((b_t - b_hi.to(tl.float32)) * 2048.0).to(tl.float16), rest)
+            rest = tl.dot(((a - a_hi.to(tl.float32)) * 2048.0).to(tl.float16), b_hi, rest)
+        else:
+            s = tl.dot(a, b_t, s, input_precision=PRECISION)
+    if PRECISION == "fp16x3":
+        s += rest * (1.0 / 2048.0)
     return s
 
 
