@@ -11,11 +11,12 @@ memory 256 MiB at a time, the second product by cuBLAS), `triton-tuned` (with --
 bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that one
 GPU call can sweep and time them beside the shipped entries), `compiled` (the dense MS loss and miner
 written plainly in torch, bench/compiled_loss.py, under torch.compile: what a user writes instead of
-this library), `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner), and
+this library), `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner),
 `triton-split` (float32: the chunked backward's cuBLAS products as three TF32 products of split
-operands), `triton-fp16x3` (float32: the S tiles as three float16 products of split unit rows) and
-`triton-fp16x3-split` (both; bench/triton_internals.py), `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
-step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
+operands), `triton-fp16x3` (float32: the S tiles as three float16 products of split unit rows),
+`triton-fp16x3-split` (both; bench/triton_internals.py), and `NAME-graph` (CUDA only: triton's steps
+captured once in a CUDA graph and replayed, no host work per step; `compiled-graph` is
+torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
 The data is a P x M batch (M = PER_CLASS samples per class around class centres); the hardness sets
 the noise and so the fraction of pairs mining keeps: easy (noise 1.2, under 0.1%), typical (2.0,

@@ -92,7 +92,7 @@ def split_products():
         matmul, allowed = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
         matmul.allow_tf32 = True
         try:
-            result = torch.addmm(torch.addmm(w_hi @ b_hi, w_hi, b_lo), w_lo, b_hi)
+            result = (w_hi @ b_hi).addmm_(w_hi, b_lo).addmm_(w_lo, b_hi)
         finally:
             matmul.allow_tf32 = allowed
         if product.accumulate:
