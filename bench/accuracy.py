@@ -23,7 +23,7 @@ import torch
 
 import ms_loss_cuda
 from providers import make_inputs  # (bench/, this script's folder)
-from triton_internals import fp16x3_tiles, split_products
+from triton_internals import fp16x3_tiles, split_products, tiles
 
 
 def loss_and_grad(x, labels, ref, ref_labels, backend, scale=1.0):
@@ -66,10 +66,6 @@ def main():
                         help="triton: its float32 S tiles as three float16 products (bench/triton_internals.py)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
-    if args.fp16x3:  # (for the whole run: the reference backend has no tiles)
-        from ms_loss_cuda.triton_kernels import launcher
-
-        launcher.tile_config = fp16x3_tiles()
 
     shapes = [(b, None) for b in args.sizes] + [(args.bank_batch, r) for r in args.bank]
     variant = ", ".join(name for name, on in (("float32 S tiles as fp16x3", args.fp16x3),
@@ -87,7 +83,11 @@ def main():
         name = dtype + (f" ({precision})" if dtype == "float32" else "")
         for batch, ref_rows in shapes:
             scale = 1.0 if dtype == "float32" else args.grad_scale
-            with split_products() if args.split_products else contextlib.nullcontext():
+            with contextlib.ExitStack() as variants:  # (the reference backend has no tiles or products to vary)
+                if args.fp16x3:
+                    variants.enter_context(tiles(fp16x3_tiles()))
+                if args.split_products:
+                    variants.enter_context(split_products())
                 e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim, scale)
             shape = f"{batch}" if ref_rows is None else f"{batch} x {ref_rows}"
             lines.append(f"{name:<18} {shape:>16} {e['loss']:>9.2g} {e['grad_max']:>9.2g} {e['grad_norm']:>9.2g}"

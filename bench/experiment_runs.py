@@ -32,13 +32,14 @@ def run_setting(name, batch, extra, steps, seed, args, log=None):
         subprocess.run(command, check=True)
     else:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, log), "w") as handle:
+        log = os.path.join(run_dir, log)
+        with open(log, "w") as handle:
             failed = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
         if failed:
-            with open(os.path.join(run_dir, log)) as handle:
+            with open(log) as handle:
                 tail = "".join(handle.readlines()[-20:])
             raise RuntimeError(f"{name}, seed {seed}: the training command failed (exit {failed}); the end of "
-                               f"{os.path.join(run_dir, log)}:\n{tail}")
+                               f"{log}:\n{tail}")
     with open(os.path.join(run_dir, "metrics.json")) as handle:
         history = json.load(handle)
     return {"batch": batch, "steps": steps, "seed": seed, "wall_seconds": round(time.perf_counter() - started, 1),

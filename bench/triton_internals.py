@@ -21,17 +21,24 @@ import contextlib
 import json
 
 
-def with_tiles(step, table):
-    """`step` with the triton backend's tile table (launcher.tile_config, read by every launch plan)
-    replaced by `table` during the call."""
+@contextlib.contextmanager
+def tiles(table):
+    """Within: the triton backend's tile table (launcher.tile_config, read by every launch plan) replaced
+    by `table`."""
     from ms_loss_cuda.triton_kernels import launcher
 
+    shipped, launcher.tile_config = launcher.tile_config, table
+    try:
+        yield
+    finally:
+        launcher.tile_config = shipped
+
+
+def with_tiles(step, table):
+    """`step` under `tiles(table)`."""
     def run(x):
-        shipped, launcher.tile_config = launcher.tile_config, table
-        try:
+        with tiles(table):
             step(x)
-        finally:
-            launcher.tile_config = shipped
 
     return run
 

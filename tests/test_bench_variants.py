@@ -57,7 +57,6 @@ def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
     the float64 reference: the interpreter rounds the float16 parts as a GPU does."""
     import ms_loss_cuda
     import triton_internals
-    from ms_loss_cuda.triton_kernels import launcher
 
     x0, labels, ref, ref_labels = make_inputs(37, 24, ref_rows=53 if bank else None)
 
@@ -69,11 +68,7 @@ def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
         return loss.detach().double(), x.grad.double()
 
     expected = loss_and_grad(x0.double(), None if ref is None else ref.double(), "reference")
-    shipped = launcher.tile_config
-    launcher.tile_config = triton_internals.fp16x3_tiles()
-    try:
+    with triton_internals.tiles(triton_internals.fp16x3_tiles()):
         got = loss_and_grad(x0, ref, "triton")
-    finally:
-        launcher.tile_config = shipped
     assert abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert (got[1] - expected[1]).abs().max() <= 1e-5 * expected[1].abs().max()
