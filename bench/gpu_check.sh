@@ -7,7 +7,7 @@
 #   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
 #     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
 #     and bfloat16; then float32 with the variants of triton-fp16x3-split (accuracy-variants.txt);
-#   bench: the speed targets side by side, D = 512, as four parts that can also be named alone:
+#   bench: the speed targets side by side, D = 512, as five parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
 #       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
 #       compiled (torch.compile of the dense loss), pml;
@@ -16,6 +16,8 @@
 #       triton-fp16x3-split (bench/triton_internals.py), compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
+#     bench-chunks: the chunked backward's budget, float16 B = 8192, 16384, 65536 and the 262144-row bank for
+#       triton (256 MiB of pair weights) beside triton-chunk128 and triton-chunk64: time and peak memory;
 #   bench-dtypes (on request): full runs of BENCH_DTYPES (default "bfloat16 float32-tf32");
 #   host: bench/host_time.py (the host's time to issue a step, B = 1024 and 16384, and a bank's); with
 #     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
@@ -91,6 +93,9 @@ bench_step() {  # one of the bench step's parts (see the header)
   bench-graphs)
     run_step bench-graphs 240 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 4096 16384 \
       --providers triton-graph compiled-graph --repeats 15 --out "$DIR/bench-graphs" ;;
+  bench-chunks)
+    run_step bench-chunks 180 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 8192 16384 65536 \
+      --bank 262144 --providers triton triton-chunk128 triton-chunk64 --repeats 15 --out "$DIR/bench-chunks" ;;
   bench-dtypes)
     for dtype in ${BENCH_DTYPES:-bfloat16 float32-tf32}; do
       run_step "bench-$dtype" 600 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \
@@ -128,8 +133,8 @@ for step in $STEPS; do
   tune)
     run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} \
       --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --out "$DIR/tune.json" ;;
-  bench)  # (all four in this order; each can also be named alone)
-    for sub in bench-float16 bench-float32 bench-xbm bench-graphs; do bench_step $sub; done ;;
+  bench)  # (all five in this order; each can also be named alone)
+    for sub in bench-float16 bench-float32 bench-xbm bench-graphs bench-chunks; do bench_step $sub; done ;;
   bench-*) bench_step "$step" ;;
   kernels)
     run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 1024 16384 1024x1048576 --idle 10 \

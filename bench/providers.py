@@ -7,16 +7,17 @@ GEMM-equivalents), `reference` (ms_loss_cuda's dense PyTorch backend), the fused
 `triton` and `cuda` (on a GPU `triton` replays its eager step as a CUDA graph from the second call
 of a shape; `triton-direct` launches it every time), `triton-fused` (the triton backend's fused
 backward, MS_LOSS_TRITON_CHUNK_MB=0; on a GPU plain `triton` takes the chunked one: pair weights to
-memory 256 MiB at a time, the second product by cuBLAS), `triton-tuned` (with --tuned tune.json: the triton step on the winners of
-bench/tune_triton.py's sweep at B = 16384 for this dtype, forward tiles and backward form, so that one
-GPU call can sweep and time them beside the shipped entries), `compiled` (the dense MS loss and miner
-written plainly in torch, bench/compiled_loss.py, under torch.compile: what a user writes instead of
-this library), `pml` (pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner),
-`triton-split` (float32: the chunked backward's cuBLAS products as three TF32 products of split
-operands), `triton-fp16x3` (float32: the S tiles as three float16 products of split unit rows),
-`triton-fp16x3-split` (both; bench/triton_internals.py), and `NAME-graph` (CUDA only: triton's steps
-captured once in a CUDA graph and replayed, no host work per step; `compiled-graph` is
-torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
+memory 256 MiB at a time, the second product by cuBLAS), `triton-chunk128` and `triton-chunk64`
+(the chunked backward at 128 and 64 MiB of pair weights), `triton-tuned` (with --tuned tune.json:
+the triton step on the winners of bench/tune_triton.py's sweep at B = 16384 for this dtype, forward
+tiles and backward form, so that one GPU call can sweep and time them beside the shipped entries),
+`compiled` (the dense MS loss and miner written plainly in torch, bench/compiled_loss.py, under
+torch.compile: what a user writes instead of this library), `pml` (pytorch-metric-learning's
+MultiSimilarityLoss + MultiSimilarityMiner), `triton-split` (float32: the chunked backward's cuBLAS
+products as three TF32 products of split operands), `triton-fp16x3` (float32: the S tiles as three
+float16 products of split unit rows), `triton-fp16x3-split` (both; bench/triton_internals.py), and
+`NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
+step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
 The data is a P x M batch (M = PER_CLASS samples per class around class centres); the hardness sets
 the noise and so the fraction of pairs mining keeps: easy (noise 1.2, under 0.1%), typical (2.0,
@@ -28,9 +29,10 @@ import os
 TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 SPLIT = ("triton-split", "triton-fp16x3", "triton-fp16x3-split")  # on request: float32's alone differ from triton
+BUDGETS = {"triton-chunk128": "128", "triton-chunk64": "64"}  # on request: MS_LOSS_TRITON_CHUNK_MB
 COMPILED = ("compiled", "compiled-graph")
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, "cuda", *COMPILED, "pml")
-FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, "cuda")
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, "cuda", *COMPILED, "pml")
+FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
 PROVIDER_HELP = {
@@ -48,6 +50,8 @@ PROVIDER_HELP = {
     "triton-fp16x3": "the Triton backend, its float32 S tiles as three float16 products of split unit rows"
                      " (bench/triton_internals.py)",
     "triton-fp16x3-split": "triton-fp16x3 and triton-split together",
+    "triton-chunk128": "the Triton backend's chunked backward at 128 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=128)",
+    "triton-chunk64": "the Triton backend's chunked backward at 64 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=64)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
     "compiled": "the dense loss + miner written plainly in torch (bench/compiled_loss.py) under torch.compile;"
                 " compiled by its first call, untimed",
@@ -113,8 +117,9 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
     step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
         x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
         backend="triton" if provider.startswith("triton") else provider).backward()
-    if provider.startswith("triton"):  # the shipped backward, or the fused one (the tuned table names its own)
-        step = with_settings(step, "0" if provider == "triton-fused" else None, provider != "triton-direct")
+    if provider.startswith("triton"):  # the shipped backward, the fused one or another budget (triton-tuned: its own)
+        budget = "0" if provider == "triton-fused" else BUDGETS.get(provider)
+        step = with_settings(step, budget, provider != "triton-direct")
         if provider == "triton-tuned":
             from triton_internals import with_tiles  # (bench/, this module's folder)
 

@@ -72,3 +72,22 @@ def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
         got = loss_and_grad(x0, ref, "triton")
     assert abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert (got[1] - expected[1]).abs().max() <= 1e-5 * expected[1].abs().max()
+
+
+@pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk128", "128"),
+                                              ("triton-chunk64", "64")])
+def test_triton_providers_run_under_the_budget_they_name(monkeypatch, provider, budget):
+    import ms_loss_cuda
+    from providers import step_function
+
+    seen = []
+
+    def recorded(x, labels, **kwargs):
+        seen.append((os.environ.get("MS_LOSS_TRITON_CHUNK_MB"), kwargs["backend"]))
+        return x.sum()
+
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "7")  # (the caller's setting: each provider sets its own)
+    monkeypatch.setattr(ms_loss_cuda, "multi_similarity_loss", recorded)
+    x, labels, _, _ = make_inputs(8, 4)
+    step_function(provider, labels)(x.requires_grad_())
+    assert seen == [(budget, "triton")]
