@@ -40,12 +40,20 @@ SETTINGS = {
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def time_the_loss(settings, out, device):
-    """bench/benchmark.py at the experiment's sizes: the batches against themselves, the memories' batch
-    (one for all) against the memories."""
+def loss_sizes(settings):
+    """(batches, memories, the memories' batch) of `settings`, whose loss time_the_loss times: the batches
+    against themselves and the memories' batch (one for all, else SystemExit) against the memories."""
     batches = sorted({batch for batch, extra in settings.values() if "--memory-size" not in extra})
     banks = sorted({int(extra[1]) for _, extra in settings.values() if "--memory-size" in extra})
-    (bank_batch,) = {batch for batch, extra in settings.values() if "--memory-size" in extra} or {0}
+    bank_batches = {batch for batch, extra in settings.values() if "--memory-size" in extra}
+    if len(bank_batches) > 1:
+        raise SystemExit("the memory settings must share one batch size (the loss is timed at one)")
+    return batches, banks, min(bank_batches, default=0)
+
+
+def time_the_loss(sizes, out, device):
+    """bench/benchmark.py at `sizes` (loss_sizes') in bfloat16, D = 128: ours, compiled and pml."""
+    batches, banks, bank_batch = sizes
     ours = "triton" if device == "cuda" else "cpu"  # (a CPU run: a smoke test, without the banks)
     command = [sys.executable, os.path.join(HERE, "benchmark.py"), "--device", device, "--dtype", "bfloat16",
                "--dim", "128", "--sizes", *map(str, batches), "--providers", ours, "compiled", "pml",
@@ -98,8 +106,7 @@ def main(args):
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
     settings = {name: SETTINGS[name] for name in (args.settings or SETTINGS)}
-    if len({batch for batch, extra in settings.values() if "--memory-size" in extra}) > 1:
-        raise SystemExit("the memory settings must share one batch size (the loss is timed at one)")
+    sizes = loss_sizes(settings)  # (checked before the training)
     render_once(args.data, args.extra)
     runs = run_settings(settings, lambda batch: args.steps, args)
     info = dict(machine_info(args.device), protocol="fixed-steps", steps=args.steps, runs_at_once=args.jobs,
@@ -107,7 +114,7 @@ def main(args):
     results = os.path.join(args.out, "results.json")
     with open(results, "w") as handle:  # (the training's results stand even if the timing fails)
         json.dump({"info": info, "runs": runs}, handle, indent=1)
-    loss = time_the_loss(settings, args.out, args.device)
+    loss = time_the_loss(sizes, args.out, args.device)
     info["wall_minutes"] = round((time.perf_counter() - started) / 60, 1)
     with open(results, "w") as handle:
         json.dump({"info": info, "runs": runs, "loss": loss}, handle, indent=1)

@@ -18,9 +18,27 @@ import torch
 
 import ms_loss_cuda
 from ms_loss_cuda.triton_kernels import launcher
+from triton_internals import tiles  # (bench/, this script's folder)
 
 SHIPPED_TILES = launcher.tile_config
 TRIANGLE_AT_ANY_HEIGHT = launcher.with_triangle_rows(1)  # (the tile table, the triangle however short its chunks)
+
+
+def run_case(backend, dtype, case, mining, gen, batch=97, ref_rows=151, dim=130):
+    """One forward+backward of `case` on the GPU: (the loss, whether it and the gradients are finite)."""
+    rows = 300 if case.endswith("ids") else batch
+    x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
+    labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()
+    extra = {}
+    if case.endswith("ids"):
+        extra = dict(ids=torch.arange(rows, device="cuda") % (150 if case == "self_ids" else 1000))
+    elif case != "self":  # a memory bank takes no gradient
+        ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(case == "ref")
+        extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())
+    loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=backend, **extra)
+    grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if case == "ref" else []))
+    torch.cuda.synchronize()
+    return loss.item(), torch.isfinite(loss).item() and all(torch.isfinite(g).all().item() for g in grads)
 
 
 def main():
@@ -30,7 +48,6 @@ def main():
     os.environ["MS_LOSS_CUDA_GRAPHS"] = "0"  # every case launches its kernels (no replay of an earlier case's graph)
     backwards = ("fused", "chunked", "triangle") if args.backend == "triton" else ("fused",)
     gen = torch.Generator().manual_seed(0)
-    batch, ref_rows, dim = 97, 151, 130
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for case in ("self", "ref", "bank", "self_ids", "self_distinct_ids"):
             for mining, backward in itertools.product((True, False), backwards):
@@ -38,21 +55,9 @@ def main():
                     continue
                 # (the chunked backward at 1 byte of weights: one tile row or column a chunk)
                 os.environ["MS_LOSS_TRITON_CHUNK_MB"] = "0" if backward == "fused" else "1e-6"
-                launcher.tile_config = TRIANGLE_AT_ANY_HEIGHT if backward == "triangle" else SHIPPED_TILES
-                rows = 300 if case.endswith("ids") else batch
-                x = torch.randn(rows, dim, generator=gen).to("cuda", dtype).requires_grad_()
-                labels = torch.randint(0, 12 if rows == batch else 60, (rows,), generator=gen).cuda()
-                extra = {}
-                if case.endswith("ids"):
-                    extra = dict(ids=torch.arange(rows, device="cuda") % (150 if case == "self_ids" else 1000))
-                elif case != "self":  # a memory bank takes no gradient
-                    ref = torch.randn(ref_rows, dim, generator=gen).to("cuda", dtype).requires_grad_(case == "ref")
-                    extra = dict(ref_embeddings=ref, ref_labels=torch.randint(0, 12, (ref_rows,), generator=gen).cuda())
-                loss = ms_loss_cuda.multi_similarity_loss(x, labels, mining=mining, backend=args.backend, **extra)
-                grads = torch.autograd.grad(loss, [x] + ([extra["ref_embeddings"]] if case == "ref" else []))
-                torch.cuda.synchronize()
-                finite = torch.isfinite(loss).item() and all(torch.isfinite(g).all().item() for g in grads)
-                print(f"{args.backend} {dtype} {case} mining={mining} {backward} backward: loss {loss.item():.5f}"
+                with tiles(TRIANGLE_AT_ANY_HEIGHT if backward == "triangle" else SHIPPED_TILES):
+                    loss, finite = run_case(args.backend, dtype, case, mining, gen)
+                print(f"{args.backend} {dtype} {case} mining={mining} {backward} backward: loss {loss:.5f}"
                       + ("" if finite else "  NOT FINITE"), flush=True)
                 if not finite:
                     raise SystemExit(1)

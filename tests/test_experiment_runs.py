@@ -1,6 +1,7 @@
 """The kanji experiment's runner (bench/experiment_runs.py): runs grouped by setting in seed order,
 one at a time or several at once; two runs never share a folder; a failed run stops the experiment
-with the end of its log."""
+with the end of its log. And the sizes at which the GPU version times the loss alone
+(bench/experiment_gpu.py)."""
 import argparse
 import os
 import sys
@@ -9,6 +10,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import experiment_gpu  # noqa: E402
 import experiment_runs  # noqa: E402
 
 
@@ -43,3 +45,11 @@ def test_a_failed_run_stops_the_runs_with_the_end_of_its_log(tmp_path):
     settings = {"batch 8": (8, [])}  # (an argument the training command refuses: it exits at once)
     with pytest.raises(RuntimeError, match="unrecognized arguments: --no-such-option"):
         experiment_runs.run_settings(settings, lambda batch: 1, _args(tmp_path, 2, extra=["--no-such-option"]))
+
+
+def test_the_loss_is_timed_at_the_settings_sizes_and_the_memories_share_one_batch():
+    sizes = experiment_gpu.loss_sizes(experiment_gpu.SETTINGS)
+    assert sizes == ([128, 512, 2048, 8192, experiment_gpu.LARGEST], [16384, experiment_gpu.WHOLE_SPLIT], 2048)
+    assert experiment_gpu.loss_sizes({"batch 64": (64, [])}) == ([64], [], 0)
+    with pytest.raises(SystemExit, match="one batch size"):
+        experiment_gpu.loss_sizes({"a": (512, ["--memory-size", "4096"]), "b": (2048, ["--memory-size", "4096"])})
