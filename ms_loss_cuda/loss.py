@@ -57,7 +57,7 @@ def multi_similarity_loss(
     result is cast (a float16 "sum" above 65504 is inf, its gradient still finite and exact).
     `backend`: "auto" (or $MS_LOSS_BACKEND), "reference", "cpu", "triton" or "cuda";
     on a GPU "triton" takes its chunked backward with 256 MiB of pair weights at a time;
-    $MS_LOSS_TRITON_CHUNK_MB sets that budget (MiB; 0: the fused backward, no buffer; docs/design.md).
+    $MS_LOSS_TRITON_CHUNK_MB sets that budget (MiB; 0: the fused backward, no buffer; docs/triton.md).
     """
     return _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, None,
                  dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,

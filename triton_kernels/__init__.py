@@ -3,7 +3,7 @@
 Importing it needs Triton; it registers torch.ops.ms_loss_cuda.triton_forward/_backward. Set
 TRITON_INTERPRET=1 before importing it to run the kernels on CPU tensors (the tests do).
 
-Modules, from the per-pair math up (docs/design.md explains the algorithm):
+Modules, from the per-pair math up (docs/triton.md explains the algorithm):
 - pairs.py: the per-pair math and the similarity tiles every kernel is built from;
 - forward_kernels.py, backward_kernels.py, row_kernels.py: the Triton kernels;
 - launcher.py: direct launches, the tile table, running a plan;

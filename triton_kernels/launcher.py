@@ -5,7 +5,7 @@ Triton kernel and, in the chunked backward, cuBLAS products. `run` makes a plan 
 on the current CUDA stream of the tensors' device, with grad mode and autocast off. A `Launch` whose
 arguments specialise as an earlier one's calls that compiled kernel's launcher directly, skipping
 Triton's per-call argument binding: on a GPU the host's time to issue an eager step is a large part
-of the step (see docs/design.md).
+of the step (see docs/triton.md).
 
 `tile_config` is the tile table every plan reads (by attribute, so that a test or a tuning sweep can
 stand another table in for it); `chunk_budget` the chunked backward's buffer budget;
