@@ -3,11 +3,14 @@ checkout and others side by side. Times of the same step move by 10-20% from one
 this project's shared CPU machines (bench/host_time_versus.py); the instruction count of two runs of
 one build stays within 0.5%, so a change of a few percent shows. The step is bench/host_time.py's
 CPU stand-in: the GPU's launch plans on small CPU tensors, each launch through Triton's launch path
-down to a stand-in driver (--launches stubbed: none of it), the cuBLAS products left out. Only the
+down to a stand-in driver (--launches stubbed: none of it), the cuBLAS products left out; with
+--replayed each step replayed by a stand-in graph, as a GPU replays it from a shape's third call
+(the replay itself, one driver call on a GPU, left out). Only the
 --steps counted steps are instrumented (the imports and warm-up run without: about a minute a run);
 one valgrind process per checkout and case, all at once. Needs valgrind (apt install valgrind).
     git worktree add /tmp/before HEAD~1
     python bench/host_instructions.py . /tmp/before --out bench/results/cpu/host-instructions.txt
+    python bench/host_instructions.py . /tmp/before --replayed --out bench/results/cpu/host-instructions-replayed.txt
 """
 import argparse
 import os
@@ -22,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ("self", "memory bank")
 
 
-def serve(root, case, launches, batch, ref_rows, dim):
+def serve(root, case, launches, replayed, batch, ref_rows, dim):
     """A worker (run under valgrind): builds the step on the checkout `root`, warms it up, then says
     "ready" and runs the steps it is told to, answering "done"."""
     from host_time_versus import import_checkout
@@ -30,9 +33,11 @@ def serve(root, case, launches, batch, ref_rows, dim):
     import_checkout(root)
     import torch
     from benchmark import HARDNESS, make_inputs, step_function
-    from host_time import cpu_stand_in
+    from host_time import cpu_stand_in, stand_in_graphs
 
     cpu_stand_in(launches)
+    if replayed:
+        stand_in_graphs()
     bank_rows = ref_rows if case == "memory bank" else None
     x, labels, ref, ref_labels = make_inputs(batch, dim, HARDNESS["typical"], bank_rows, "cpu")
     x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
@@ -75,11 +80,12 @@ def main():
     add_size_options(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--launches", default="launcher", choices=("launcher", "stubbed"))
+    parser.add_argument("--replayed", action="store_true", help="each step replayed by a stand-in graph")
     parser.add_argument("--out")
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve[0], args.serve[1], args.launches, args.batch, args.ref_rows, args.dim)
+        return serve(args.serve[0], args.serve[1], args.launches, args.replayed, args.batch, args.ref_rows, args.dim)
     if not args.checkouts:
         parser.error("name at least one checkout")
     from host_time import report
@@ -93,13 +99,14 @@ def main():
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={log}",
                        f"--callgrind-out-file={scratch}/callgrind-{number}.out", sys.executable, __file__,
                        "--serve", root, case, "--launches", args.launches, "--batch", str(args.batch),
-                       "--ref-rows", str(args.ref_rows), "--dim", str(args.dim)]
+                       "--ref-rows", str(args.ref_rows), "--dim", str(args.dim)] + ["--replayed"] * args.replayed
             runs[root, case] = (subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                                  cwd=HERE, env=dict(os.environ, PYTHONPATH=HERE)), log)
         counts = count(runs, args.steps)
     how = {"launcher": "each launch through Triton's launch path, no driver calls", "stubbed": "launches stubbed"}
+    replayed = ", replayed by stand-in graphs" if args.replayed else ""
     lines = [f"instructions (valgrind --tool=callgrind) of one eager triton step on CPU tensors with the GPU's plans, "
-             f"{how[args.launches]}, float16, P x 4 batches of typical hardness, B = {args.batch}, "
+             f"{how[args.launches]}{replayed}, float16, P x 4 batches of typical hardness, B = {args.batch}, "
              f"R = {args.ref_rows} (memory bank), D = {args.dim}, 'mean'; per step over {args.steps} steps"]
     for root in roots:
         lines.append(f"  {root}: {revision(root)}")

@@ -5,6 +5,7 @@ graph's own inputs and writes its results into the captured outputs, as a replay
 what replay.call decides (when to capture, what it copies, what it keeps in place, what it returns)
 through the real eager path under the interpreter. With a GPU the same tests run on CUDA graphs.
 """
+import functools
 import warnings
 
 import pytest
@@ -100,14 +101,23 @@ def test_a_bank_is_read_in_place_and_one_at_another_address_is_not_captured(capt
         check(x, labels, bank.roll(k + 1, 0), bank_labels, ref_grad=False)
 
 
-def test_results_are_copies_that_later_replays_leave_alone(captures):
+@pytest.fixture
+def copies(monkeypatch):
+    """The gradients a replay copied out of its graph before overwriting them (replay.Lent.keep)."""
+    made, keep = [], replay.Lent.keep
+    monkeypatch.setattr(replay.Lent, "keep", lambda lease: (made.append(lease), keep(lease))[1])
+    return made
+
+
+def test_results_are_copies_that_later_replays_leave_alone(captures, copies):
     x, labels = make_batch(33, 16, 6, dtype=torch.float32, seed=3)
     check(x, labels)
     loss, grads = check(x, labels)  # captured and replayed
     kept = loss.clone(), grads[0].clone()
     check(2 * x.flip(0), labels)  # replayed on other data
     assert torch.equal(loss, kept[0]) and torch.equal(grads[0], kept[1])
-    # two forwards before one backward: each keeps its own gradient
+    assert copies == []  # (each step's backward ran before the next: its gradient was lent, never copied)
+    # two forwards before one backward: the second replay copies the first's gradient out, once
     first, second = (x.clone().to(DEVICE).requires_grad_() for _ in range(2))
     losses = [ms_loss_cuda.multi_similarity_loss(t * s, labels.to(DEVICE), backend="triton")
               for t, s in ((first, 1.0), (second, -1.0))]
@@ -116,6 +126,29 @@ def test_results_are_copies_that_later_replays_leave_alone(captures):
         xd = (x.double() * s).detach().requires_grad_()  # (a leaf: d/dt L(s t) = s L'(s t))
         ms_loss_cuda.multi_similarity_loss(xd, labels, backend="reference").backward()
         assert_close(t.grad, xd.grad * s, 1e-5)
+    assert len(copies) == 1
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_a_gradient_kept_for_a_second_backward_survives_the_next_replay(captures, copies, memory):
+    x, labels = make_batch(30, 16, 5, dtype=torch.float32, seed=11)
+    x, labels, ids = x.to(DEVICE), labels.to(DEVICE), torch.arange(30, device=DEVICE)
+    if memory:  # (CrossBatchMemory's one-call step, full after its first batch)
+        loss_of = ms_loss_cuda.CrossBatchMemory(30, 16, backend="triton")
+        loss_of = functools.partial(loss_of, labels=labels, ids=ids)
+    else:
+        loss_of = functools.partial(ms_loss_cuda.multi_similarity_loss, labels=labels, backend="triton")
+    for _ in range(3):  # (seen, then captured)
+        loss_of(x.clone().requires_grad_()).backward()
+    assert len(captures) == 1
+    t = x.clone().requires_grad_()
+    loss = loss_of(t)
+    loss.backward(retain_graph=True)
+    first = t.grad.clone()
+    loss_of((2 * x.flip(0)).requires_grad_()).backward()  # the graph replayed on other data
+    loss.backward()  # reads the gradient the replay copied out of the graph's memory
+    assert len(copies) == 1 and first.abs().max() > 0
+    assert torch.equal(t.grad, 2 * first)
 
 
 def test_options_and_shapes_make_their_own_graphs_and_few_are_kept(captures, monkeypatch):

@@ -232,14 +232,16 @@ class _EagerMemoryLoss(torch.autograd.Function):
         filled = options[-2]  # (options: hyper-parameters, normalize, reduction, dtype, filled, weight)
         inputs = (x, labels, ids, slots, memory, memory_labels, memory_ids)
         loss, dx = replay.call(lambda *tensors: _memory_step_with_gradients(*tensors, *options), inputs, (4, 5, 6),
-                               options, x.device, x.shape[0] * (x.shape[0] + filled))
-        ctx.save_for_backward(x, dx)
+                               (1,), options, x.device, x.shape[0] * (x.shape[0] + filled))
+        saved, ctx.leases = replay.for_backward((dx,))
+        ctx.save_for_backward(x, *saved)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         x, dx = ctx.saved_tensors
-        return ops.first_derivative_only((x,), _scaled(dx, grad, x.dtype)) + (None,) * 7
+        dx = replay.use(ctx.leases[0], dx, lambda g: _scaled(g, grad, x.dtype))
+        return ops.first_derivative_only((x,), dx) + (None,) * 7
 
 
 def eager_memory_loss(x, labels, ids, slots, memory, memory_labels, memory_ids, filled, weight, hyper_parameters,
@@ -282,9 +284,10 @@ class _EagerLoss(torch.autograd.Function):
             wanted = (ctx.needs_input_grad[0], ref is not None and ctx.needs_input_grad[1])
             options = (hyper_parameters, normalize, reduction, dtype, wanted)
             pairs = x.shape[0] * (x.shape[0] if ref is None else ref.shape[0])
-            loss, da, db = replay.call(lambda *tensors: _step_with_gradients(*tensors, *options), inputs, (1,),
-                                       options, x.device, pairs)
-            ctx.save_for_backward(x, ref, da, db)
+            loss, *grads = replay.call(lambda *tensors: _step_with_gradients(*tensors, *options), inputs, (1,),
+                                       (1, 2), options, x.device, pairs)
+            saved, ctx.leases = replay.for_backward(grads)
+            ctx.save_for_backward(x, ref, *saved)
             return loss
         losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize)
         ctx.save_for_backward(x, ref, *saved)
@@ -294,7 +297,8 @@ class _EagerLoss(torch.autograd.Function):
     def backward(ctx, grad):
         x, ref = ctx.saved_tensors[:2]
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
-            da, db = (None if g is None else _scaled(g, grad, t.dtype) for g, t in zip(ctx.saved_tensors[2:], (x, ref)))
+            da, db = (replay.use(lease, g, lambda g, t=t: _scaled(g, grad, t.dtype))
+                      for lease, g, t in zip(ctx.leases, ctx.saved_tensors[2:], (x, ref)))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             da, db = _gradients(ctx.saved_tensors[2:], grad, ctx.hyper_parameters, ctx.reduction,
                                 ctx.needs_input_grad[:2])

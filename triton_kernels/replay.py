@@ -10,7 +10,10 @@ work up to B = 4096) can be spent once. `call` runs a step and
   stream first, so that Triton's compiles and cuBLAS's handle happen outside the capture), then
   replays it;
 - after that, copies the inputs into the graph's, replays, and returns copies of its outputs (a later
-  replay overwrites the graph's own).
+  replay overwrites the graph's own), but for the outputs the caller reads only in its backward (the
+  gradients), which it gets as `Lent`: the graph's own buffer, copied out by the next replay of the
+  graph only if the backward that reads it has not run by then. A training step's backward runs
+  before the next step, so its gradient is never copied: one op and its memory fewer a step.
 A signature seen once and never again (a reference set that is a new tensor every step, say) costs
 nothing beyond this bookkeeping. The reference set (a memory bank, often large) is not copied: the
 graph reads it where it was captured, so its address is in the signature, and a replay reads
@@ -24,6 +27,7 @@ import collections
 import os
 import threading
 import warnings
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,19 +50,83 @@ _evictions = 0
 _lock = threading.RLock()
 
 
+class Lent:
+    """An output of a replayed graph that `call`'s caller reads in its backward alone (the `lent`
+    outputs): `tensor`, the graph's own buffer until the graph replays again while the output may still
+    be read; that replay copies it out first (`Graph.__call__`). It may be read until `token()`'s
+    tensor, which the caller saves for its backward (`for_backward`), is freed: autograd frees it after
+    a backward without retain_graph, or with the autograd graph. The caller reads it through `use`."""
+    __slots__ = ("tensor", "_token")
+
+    def __init__(self, tensor):
+        self.tensor, self._token = tensor, None
+
+    def token(self):
+        """A tensor of no elements that says, for as long as it lives, that `tensor` may still be read."""
+        token = torch.empty(0)
+        self._token = weakref.ref(token)
+        return token
+
+    def held(self):
+        """`tensor` may still be read: `token()`'s tensor lives, or no token was taken."""
+        return self._token is None or self._token() is not None
+
+    def keep(self):
+        """`tensor` copied out of the graph's memory, which the next replay overwrites."""
+        self.tensor = self.tensor.clone()
+
+
+def for_backward(outputs):
+    """(what the caller saves for its backward, ctx.save_for_backward; the leases it keeps beside) for
+    `lent` outputs of `call`: a tensor (of a step that was not replayed) is saved as it is, with no
+    lease; a `Lent` saves its token, and is the lease."""
+    saved, leases = [], []
+    for out in outputs:
+        lent = isinstance(out, Lent)
+        saved.append(out.token() if lent else out)
+        leases.append(out if lent else None)
+    return saved, leases
+
+
+def use(lease, saved, function):
+    """In the caller's backward, function(the value of a `lent` output of `call`), None for None: the
+    lease's buffer, or what was saved (`for_backward`, from ctx.saved_tensors) where there is no
+    lease. A lease's buffer is read where no replay runs at the same time: a replay copies a held
+    output out first, which must not fall between this read of the buffer and the work issued on it
+    (on the graph's stream, as the backward's)."""
+    if lease is None:
+        return None if saved is None else function(saved)
+    with _lock:
+        return function(lease.tensor)
+
+
 class Graph(NamedTuple):
-    """A captured step: its graph, the outputs it writes and the copies of the inputs it reads (None for
-    those it reads in place)."""
+    """A captured step: its graph, the outputs it writes, the copies of the inputs it reads (None for
+    those it reads in place), the indices of the outputs it lends (`Lent`) and the leases still out."""
     graph: object  # torch.cuda.CUDAGraph (or what `capture` gives)
     outputs: tuple
     inputs: tuple
+    lent: tuple
+    leases: list
 
     def __call__(self, inputs):
+        for lease in self.leases:  # (an output the next replay would overwrite while a backward may read it)
+            if lease.held():
+                lease.keep()
+        self.leases.clear()
         for mine, given in zip(self.inputs, inputs):
             if mine is not None and mine is not given:
                 mine.copy_(given)
         self.graph.replay()
-        return tuple(None if out is None else out.clone() for out in self.outputs)
+        outputs = []
+        for i, out in enumerate(self.outputs):
+            if out is not None and i in self.lent:
+                out = Lent(out)
+                self.leases.append(out)
+            elif out is not None:
+                out = out.clone()
+            outputs.append(out)
+        return outputs
 
 
 def enabled(device):
@@ -146,13 +214,14 @@ def capture(step, inputs):
     return graph, outputs
 
 
-def call(step, inputs, kept, options, device, pairs):
+def call(step, inputs, kept, lent, options, device, pairs):
     """`step(*inputs)`: run, captured or replayed as the module's docstring says. `kept`: the indices
-    of the inputs read in place (their addresses belong to the signature); `options`: what else
-    `step` depends on, hashable; `pairs`: the step's size (over MOST_PAIRS: run as it is). Inputs
-    that share memory without being one tensor (x and a view of it as the reference set) are never
-    captured: a copy would separate them. A capture that fails (out of memory, say) warns once and
-    leaves its signature to run as it is."""
+    of the inputs read in place (their addresses belong to the signature); `lent`: the indices of the
+    outputs read only in the caller's backward, which a replay hands out as `Lent`s (see
+    `for_backward` and `use`); `options`: what else `step` depends on, hashable; `pairs`: the step's
+    size (over MOST_PAIRS: run as it is). Inputs that share memory without being one tensor (x and a
+    view of it as the reference set) are never captured: a copy would separate them. A capture that
+    fails (out of memory, say) warns once and leaves its signature to run as it is."""
     if (pairs > MOST_PAIRS or not enabled(device) or any(t is not None and t.numel() == 0 for t in inputs)
             or _overlapping(inputs)):
         return step(*inputs)
@@ -160,7 +229,7 @@ def call(step, inputs, kept, options, device, pairs):
     with _lock:  # (one thread at a time: the bookkeeping, and a graph's buffers, are shared)
         graph = _graphs.get(key)
         if graph is None:
-            graph = _captured(step, inputs, kept, key)
+            graph = _captured(step, inputs, kept, lent, key)
         else:
             _graphs.move_to_end(key)
         if graph is not None:
@@ -168,7 +237,7 @@ def call(step, inputs, kept, options, device, pairs):
     return step(*inputs)
 
 
-def _captured(step, inputs, kept, key):
+def _captured(step, inputs, kept, lent, key):
     """A new Graph of `step` for signature `key` (kept), or None where the step runs as it is: the first
     time the signature is seen, when there is no room, or when it cannot be captured."""
     global _evictions
@@ -181,7 +250,7 @@ def _captured(step, inputs, kept, key):
         return None
     mine = _copies(inputs, kept)
     try:
-        graph = _graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept))
+        graph = _graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept), tuple(lent), [])
     except RuntimeError as error:
         if not _refused:
             warnings.warn(f"ms_loss_cuda: an eager step could not be captured as a CUDA graph and runs as it is "
