@@ -129,6 +129,24 @@ def test_results_are_copies_that_later_replays_leave_alone(captures, copies):
     assert len(copies) == 1
 
 
+def test_under_saved_tensor_hooks_a_pending_gradient_is_still_copied_before_a_replay(captures, copies):
+    """A pack hook may save another tensor than the forward's (here a copy), so the lease cannot tell
+    when its backward has run: each replay copies the last step's gradient out first."""
+    x, labels = make_batch(29, 16, 5, dtype=torch.float32, seed=12)
+    x, labels = x.to(DEVICE), labels.to(DEVICE)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        for _ in range(3):  # (seen, then captured)
+            ms_loss_cuda.multi_similarity_loss(x.clone().requires_grad_(), labels, backend="triton").backward()
+        t, u = x.clone().requires_grad_(), x.flip(0).clone().requires_grad_()
+        losses = [ms_loss_cuda.multi_similarity_loss(v, labels, backend="triton") for v in (t, u)]
+        sum(losses).backward()
+    for v in (t, u):
+        xd = v.detach().double().requires_grad_()
+        ms_loss_cuda.multi_similarity_loss(xd, labels, backend="reference").backward()
+        assert_close(v.grad, xd.grad, 1e-5)
+    assert len(captures) == 1 and len(copies) == 3  # (at the replays of calls 3, 4 and 5)
+
+
 @pytest.mark.parametrize("memory", [False, True])
 def test_a_gradient_kept_for_a_second_backward_survives_the_next_replay(captures, copies, memory):
     x, labels = make_batch(30, 16, 5, dtype=torch.float32, seed=11)

@@ -62,7 +62,12 @@ class Lent:
         self.tensor, self._token = tensor, None
 
     def token(self):
-        """A tensor of no elements that says, for as long as it lives, that `tensor` may still be read."""
+        """A tensor of no elements that says, for as long as it lives, that `tensor` may still be read;
+        None under saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks), whose packing may save
+        another tensor in its place: then the lease stays held, and the next replay copies it."""
+        hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if hooks is None or hooks(False) is not None:
+            return None
         token = torch.empty(0)
         self._token = weakref.ref(token)
         return token
