@@ -129,12 +129,14 @@ def test_results_are_copies_that_later_replays_leave_alone(captures, copies):
     assert len(copies) == 1
 
 
-def test_under_saved_tensor_hooks_a_pending_gradient_is_still_copied_before_a_replay(captures, copies):
-    """A pack hook may save another tensor than the forward's (here a copy), so the lease cannot tell
-    when its backward has run: each replay copies the last step's gradient out first."""
+def test_under_saved_tensor_hooks_each_step_saves_a_copy_of_its_gradient(captures, copies):
+    """A pack hook may save another tensor in the token's place (here a copy of it) or move what is saved
+    off the GPU: under hooks a replayed step saves a copy of its gradient, for the hooks to pack, and
+    lends nothing."""
     x, labels = make_batch(29, 16, 5, dtype=torch.float32, seed=12)
     x, labels = x.to(DEVICE), labels.to(DEVICE)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.numel()) or t.clone(), lambda t: t):
         for _ in range(3):  # (seen, then captured)
             ms_loss_cuda.multi_similarity_loss(x.clone().requires_grad_(), labels, backend="triton").backward()
         t, u = x.clone().requires_grad_(), x.flip(0).clone().requires_grad_()
@@ -144,7 +146,41 @@ def test_under_saved_tensor_hooks_a_pending_gradient_is_still_copied_before_a_re
         xd = v.detach().double().requires_grad_()
         ms_loss_cuda.multi_similarity_loss(xd, labels, backend="reference").backward()
         assert_close(v.grad, xd.grad, 1e-5)
-    assert len(captures) == 1 and len(copies) == 3  # (at the replays of calls 3, 4 and 5)
+    assert len(captures) == 1 and copies == [] and x.numel() in packed
+
+
+def test_a_lease_holds_no_memory_once_its_backward_ran_and_raises_if_its_token_goes_early(captures):
+    x, labels = make_batch(28, 16, 5, dtype=torch.float32, seed=13)
+    x, labels = x.to(DEVICE), labels.to(DEVICE)
+    for step in range(3):  # (seen, captured, replayed)
+        loss = ms_loss_cuda.multi_similarity_loss(x.clone().requires_grad_(), labels, backend="triton")
+        leases = [lease for lease in loss.grad_fn.leases if lease is not None]
+        assert len(leases) == (step > 0) and all(lease.tensor is not None for lease in leases)
+        loss.backward()
+        assert all(lease.tensor is None for lease in leases)  # (the loss lives on: its lease holds no memory)
+    # a hook registered on the node after the forward packs another tensor in the token's place
+    loss = ms_loss_cuda.multi_similarity_loss(x.clone().requires_grad_(), labels, backend="triton")
+    loss.grad_fn._raw_saved_tensors[2].register_hooks(lambda t: t.clone(), lambda t: t)  # (x, ref, the token)
+    with pytest.raises(RuntimeError, match="MS_LOSS_CUDA_GRAPHS=0"):
+        loss.backward()
+
+
+def test_a_checkpointed_loss_takes_its_gradient(captures):
+    """torch.utils.checkpoint (non-reentrant) recomputes the forward during the backward and reads the
+    node's saved tensors once."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, labels = make_batch(27, 16, 5, dtype=torch.float32, seed=14)
+    x, labels = x.to(DEVICE), labels.to(DEVICE)
+    weight = torch.eye(16, device=DEVICE)
+    for _ in range(3):
+        t = x.clone().requires_grad_()
+        loss = checkpoint(lambda v: ms_loss_cuda.multi_similarity_loss(v @ weight, labels, backend="triton"), t,
+                          use_reentrant=False)
+        loss.backward()
+        xd = x.detach().double().requires_grad_()
+        ms_loss_cuda.multi_similarity_loss(xd, labels, backend="reference").backward()
+        assert_close(t.grad, xd.grad, 1e-5)
 
 
 @pytest.mark.parametrize("memory", [False, True])

@@ -295,13 +295,12 @@ class _EagerLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, ref = ctx.saved_tensors[:2]
+        x, ref, *saved = ctx.saved_tensors  # (once: under torch.utils.checkpoint each read unpacks them again)
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
             da, db = (replay.use(lease, g, lambda g, t=t: _scaled(g, grad, t.dtype))
-                      for lease, g, t in zip(ctx.leases, ctx.saved_tensors[2:], (x, ref)))
+                      for lease, g, t in zip(ctx.leases, saved, (x, ref)))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
-            da, db = _gradients(ctx.saved_tensors[2:], grad, ctx.hyper_parameters, ctx.reduction,
-                                ctx.needs_input_grad[:2])
+            da, db = _gradients(saved, grad, ctx.hyper_parameters, ctx.reduction, ctx.needs_input_grad[:2])
         return ops.first_derivative_only((x, ref), da, db) + (None,) * 9
 
 

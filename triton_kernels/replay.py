@@ -55,41 +55,61 @@ class Lent:
     outputs): `tensor`, the graph's own buffer until the graph replays again while the output may still
     be read; that replay copies it out first (`Graph.__call__`). It may be read until `token()`'s
     tensor, which the caller saves for its backward (`for_backward`), is freed: autograd frees it after
-    a backward without retain_graph, or with the autograd graph. The caller reads it through `use`."""
-    __slots__ = ("tensor", "_token")
+    a backward without retain_graph, or with the autograd graph; then `tensor` is dropped (None), so
+    that a lease kept beside a loss holds no memory. The caller reads it through `use`."""
+    __slots__ = ("tensor", "_token", "__weakref__")
 
     def __init__(self, tensor):
         self.tensor, self._token = tensor, None
 
     def token(self):
-        """A tensor of no elements that says, for as long as it lives, that `tensor` may still be read;
-        None under saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks), whose packing may save
-        another tensor in its place: then the lease stays held, and the next replay copies it."""
-        hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        if hooks is None or hooks(False) is not None:
-            return None
-        token = torch.empty(0)
-        self._token = weakref.ref(token)
+        """A tensor of no elements that says, for as long as it lives, that `tensor` may still be read."""
+        token, lease = torch.empty(0), weakref.ref(self)
+        self._token = weakref.ref(token, lambda _: _drop(lease))
         return token
 
     def held(self):
-        """`tensor` may still be read: `token()`'s tensor lives, or no token was taken."""
-        return self._token is None or self._token() is not None
+        """`tensor` may still be read: it is there, and `token()`'s tensor lives (or no token was taken)."""
+        return self.tensor is not None and (self._token is None or self._token() is not None)
 
     def keep(self):
         """`tensor` copied out of the graph's memory, which the next replay overwrites."""
-        self.tensor = self.tensor.clone()
+        tensor = self.tensor  # (once: the token's death, on autograd's thread, may drop it meanwhile)
+        if tensor is not None:
+            self.tensor = tensor.clone()
+
+
+def _drop(lease):
+    """The token of the Lent `lease` (a weak reference) is freed: its tensor will not be read again."""
+    lease = lease()
+    if lease is not None:
+        lease.tensor = None
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensor_hooks():
+    """Saved-tensor hooks are on (torch.autograd.graph.saved_tensors_hooks, save_on_cpu), or this torch
+    cannot tell: their packing may save another tensor in a token's place, or move a saved gradient
+    off the GPU."""
+    return _top_hooks is None or _top_hooks(False) is not None
 
 
 def for_backward(outputs):
     """(what the caller saves for its backward, ctx.save_for_backward; the leases it keeps beside) for
     `lent` outputs of `call`: a tensor (of a step that was not replayed) is saved as it is, with no
-    lease; a `Lent` saves its token, and is the lease."""
-    saved, leases = [], []
+    lease; a `Lent` saves its token, and is the lease. Under saved-tensor hooks a Lent's tensor is
+    copied and saved instead, and the lease let go (the hooks pack the copy, as they would any
+    gradient saved for a backward)."""
+    saved, leases, hooked = [], [], None
     for out in outputs:
-        lent = isinstance(out, Lent)
-        saved.append(out.token() if lent else out)
-        leases.append(out if lent else None)
+        if isinstance(out, Lent):
+            hooked = _saved_tensor_hooks() if hooked is None else hooked
+            if hooked:
+                out.tensor, out = None, out.tensor.clone()
+        saved.append(out.token() if isinstance(out, Lent) else out)
+        leases.append(out if isinstance(out, Lent) else None)
     return saved, leases
 
 
@@ -98,10 +118,14 @@ def use(lease, saved, function):
     lease's buffer, or what was saved (`for_backward`, from ctx.saved_tensors) where there is no
     lease. A lease's buffer is read where no replay runs at the same time: a replay copies a held
     output out first, which must not fall between this read of the buffer and the work issued on it
-    (on the graph's stream, as the backward's)."""
+    (on the graph's stream, as the backward's). A lease whose token was freed before its backward (a
+    saved-tensor hook registered on the node after the forward packs another tensor) raises."""
     if lease is None:
         return None if saved is None else function(saved)
     with _lock:
+        if lease.tensor is None:
+            raise RuntimeError("ms_loss_cuda: this loss's gradient, kept in a CUDA graph's memory, was given up when "
+                               "its saved tensors were replaced (a saved-tensor hook?); set MS_LOSS_CUDA_GRAPHS=0")
         return function(lease.tensor)
 
 
