@@ -129,14 +129,16 @@ def test_results_are_copies_that_later_replays_leave_alone(captures, copies):
     assert len(copies) == 1
 
 
-def test_under_saved_tensor_hooks_each_step_saves_a_copy_of_its_gradient(captures, copies):
-    """A pack hook may save another tensor in the token's place (here a copy of it) or move what is saved
-    off the GPU: under hooks a replayed step saves a copy of its gradient, for the hooks to pack, and
-    lends nothing."""
+@pytest.mark.parametrize("copying", [True, False])
+def test_under_saved_tensor_hooks_each_step_saves_a_copy_of_its_gradient(captures, copies, copying):
+    """A pack hook may save another tensor in the token's place (a copy of it, say) or move what is saved
+    off the GPU: under hooks a replayed step saves a copy of its gradient, for the hooks to pack (here
+    a copy of that, or it as it is), and lends nothing."""
     x, labels = make_batch(29, 16, 5, dtype=torch.float32, seed=12)
     x, labels = x.to(DEVICE), labels.to(DEVICE)
     packed = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.numel()) or t.clone(), lambda t: t):
+    pack = lambda t: packed.append(t.numel()) or (t.clone() if copying else t)  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for _ in range(3):  # (seen, then captured)
             ms_loss_cuda.multi_similarity_loss(x.clone().requires_grad_(), labels, backend="triton").backward()
         t, u = x.clone().requires_grad_(), x.flip(0).clone().requires_grad_()

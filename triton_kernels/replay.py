@@ -103,13 +103,14 @@ def for_backward(outputs):
     copied and saved instead, and the lease let go (the hooks pack the copy, as they would any
     gradient saved for a backward)."""
     saved, leases, hooked = [], [], None
-    for out in outputs:
-        if isinstance(out, Lent):
-            hooked = _saved_tensor_hooks() if hooked is None else hooked
-            if hooked:
-                out.tensor, out = None, out.tensor.clone()
-        saved.append(out.token() if isinstance(out, Lent) else out)
-        leases.append(out if isinstance(out, Lent) else None)
+    with _lock:  # (a replay on another thread must not overwrite a buffer between its read and its copy)
+        for out in outputs:
+            if isinstance(out, Lent):
+                hooked = _saved_tensor_hooks() if hooked is None else hooked
+                if hooked:
+                    out.tensor, out = None, out.tensor.clone()
+            saved.append(out.token() if isinstance(out, Lent) else out)
+            leases.append(out if isinstance(out, Lent) else None)
     return saved, leases
 
 
