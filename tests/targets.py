@@ -127,9 +127,11 @@ def emulated_cuda_ops(tmp_path_factory):
 def target(request, monkeypatch):
     """triton: the triton backend with its fused backward; triton_chunked: with the chunked backward
     (weights to memory, cuBLAS for the second product; a GPU's default) at a budget of one tile row or
-    column per chunk, so that every case runs several."""
+    column per chunk, so that every case runs several, and the triangle's transposed products in
+    pieces of 48 rows."""
     if request.param.startswith("triton"):
         monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6" if request.param == "triton_chunked" else "0")
+        monkeypatch.setattr(triton_kernels.backward, "LEAST_PIECE_ROWS", 48)
         return Target(request.param, "triton", DEVICE, torch.ops.ms_loss_cuda.triton_forward.default,
                       torch.ops.ms_loss_cuda.triton_backward.default, request.param == "triton_chunked")
     if request.param == "cuda":

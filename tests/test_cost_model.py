@@ -9,7 +9,7 @@ from conftest import label_order_by_torch
 
 triton_kernels = pytest.importorskip("ms_loss_cuda.triton_kernels")
 from ms_loss_cuda.triton_kernels import backward, launcher  # noqa: E402
-from ms_loss_cuda.triton_kernels.backward import Product  # noqa: E402
+from ms_loss_cuda.triton_kernels.backward import LEAST_PIECE_ROWS, Product, piece_rows  # noqa: E402
 from ms_loss_cuda.triton_kernels.launcher import Launch, cdiv  # noqa: E402
 
 H100 = 132
@@ -194,7 +194,13 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     assert len(weights) >= (2 if several else 1)
     triangle = weights[0].constexprs["BOTH_LIFTS"]
     assert triangle == (ref_rows is None and limit < 3)
-    assert len(products) == (2 * len(weights) - 1 if triangle else len(weights))  # (the last chunk has no later rows)
+    # each chunk's own rows, then (the triangle) its later rows in pieces whose float32 result, a
+    # temporary beside dx, stays within an eighth of the budget
+    piece = piece_rows(mib * MIB, 512)
+    assert piece * 512 * 4 <= max(mib * MIB // 8, LEAST_PIECE_ROWS * 512 * 4)
+    pieces = [cdiv(batch - launch.args["row_end"], piece) for launch in weights] if triangle else []
+    assert len(products) == len(weights) + sum(pieces)
+    assert all(p.out.shape[0] <= piece for p in products if p.w.stride(0) == 1)  # (the transposed ones)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

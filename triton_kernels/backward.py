@@ -112,6 +112,16 @@ LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' we
 # the most each end of a weight is lifted in the chunked triangle (a weight then stays <= 2^8; the
 # rows of x are divided by it, and a larger one would push more of them below float16's normals)
 TRIANGLE_LIFT = 2.0 ** 7
+# The triangle's transposed products write every later row of dx, and cuBLAS returns each product's
+# float32 result beside dx before it is added (torch takes float32 sums of 16-bit products into a new
+# tensor only): one product would hold (B - r1) x D of them, 124 MiB at B = 65536, D = 512. So they
+# go in pieces of rows whose result stays within an eighth of the budget, at least this many rows.
+LEAST_PIECE_ROWS = 1024
+
+
+def piece_rows(budget, dim):
+    """The most rows of dx one of the triangle's transposed products writes (see LEAST_PIECE_ROWS)."""
+    return max(budget // (8 * 4 * dim), LEAST_PIECE_ROWS)
 
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
@@ -195,7 +205,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
                      BOTH_LIFTS=triangle, COPY=copy, **label_order_flags)
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
-                                                anchor_scale, column_lift, scales)
+                                                anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim))
         if order is not None:
             steps.append(Reorder(torch.empty_like(grad_x), grad_x, order))
             grad_x = steps[-1].out
@@ -241,16 +251,17 @@ def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, trian
     return [(rows, (0, num_b)) for rows in even_chunks(num_x, tiles["BLOCK_M"], num_b, element_size, budget)], False
 
 
-def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales):
+def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales, piece):
     """backward_plan's result for the chunked backward: weights_kernel writes the lifted pair weights
     of a chunk (`chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
     buffers within the budget and reused by every chunk.
     Self case, the triangle (tiles["BOTH_LIFTS"]): H is symmetric (H_pq = H_qp), so chunk [r0, r1) of
     the anchor rows computes only its columns from r0 on (`triangle_chunks`): dx[r0:r1] +=
     H[r0:r1, r0:] @ x[r0:], and the part right of its own square gives the later rows' share,
-    dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1]. S costs half a GEMM-equivalent plus half of each chunk's
-    square, where all columns would cost one; the products still one, but the second reads and
-    writes all later rows of dx once per chunk, memory-bound for short chunks: so the triangle
+    dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1], in pieces of at most `piece` rows (piece_rows). S costs
+    half a GEMM-equivalent plus half of each chunk's square, where all columns would cost one; the
+    products still one, but the second reads and writes all later rows of dx once per chunk,
+    memory-bound for short chunks: so the triangle
     needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
     there, so H_pq is lifted by both ends' lifts, l_p l_q (`scales_kernel`'s HALF_LIFT: about the
     square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
@@ -293,9 +304,11 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         if triangle:
             steps.append(Product(w[:, :cols], a_unlifted[col_begin:], grad_x[row_begin:row_end],
                                  unlift[row_begin:row_end], accumulate=chunk > 0))
-            if row_end < num_x:  # (the first chunk writes every row of dx, its own and the later ones; the rest add)
-                steps.append(Product(w[:, rows:cols].T, a_unlifted[row_begin:row_end], grad_x[row_end:],
-                                     unlift[row_end:], accumulate=chunk > 0))
+            # (the first chunk writes every row of dx, its own and the later ones; the rest add)
+            for begin in range(row_end, num_x, piece):  # (w's column c: row col_begin + c)
+                end = min(begin + piece, num_x)
+                steps.append(Product(w[:, begin - col_begin:end - col_begin].T, a_unlifted[row_begin:row_end],
+                                     grad_x[begin:end], unlift[begin:end], accumulate=chunk > 0))
             continue
         steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x[row_begin:row_end], unlift[row_begin:row_end],
                              accumulate=col_begin > 0))
