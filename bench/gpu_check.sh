@@ -17,7 +17,7 @@
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
 #     bench-chunks: the chunked backward's budget, float16 B = 8192, 16384, 65536 and the 262144-row bank for
-#       triton (256 MiB of pair weights) beside triton-chunk128 and triton-chunk64: time and peak memory;
+#       triton (256 MiB of pair weights) beside triton-chunk192 and triton-chunk128: time and peak memory;
 #   bench-dtypes (on request): full runs of BENCH_DTYPES (default "bfloat16 float32-tf32");
 #   host: bench/host_time.py (the host's time to issue a step, B = 1024 and 16384, and a bank's); with
 #     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
@@ -95,7 +95,7 @@ bench_step() {  # one of the bench step's parts (see the header)
       --providers triton-graph compiled-graph --repeats 15 --out "$DIR/bench-graphs" ;;
   bench-chunks)
     run_step bench-chunks 180 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 8192 16384 65536 \
-      --bank 262144 --providers triton triton-chunk128 triton-chunk64 --repeats 15 --out "$DIR/bench-chunks" ;;
+      --bank 262144 --providers triton triton-chunk192 triton-chunk128 --repeats 15 --out "$DIR/bench-chunks" ;;
   bench-dtypes)
     for dtype in ${BENCH_DTYPES:-bfloat16 float32-tf32}; do
       run_step "bench-$dtype" 600 $PY bench/benchmark.py --device cuda --dtype ${dtype%-tf32} \

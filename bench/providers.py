@@ -7,8 +7,8 @@ GEMM-equivalents), `reference` (ms_loss_cuda's dense PyTorch backend), the fused
 `triton` and `cuda` (on a GPU `triton` replays its eager step as a CUDA graph from the second call
 of a shape; `triton-direct` launches it every time), `triton-fused` (the triton backend's fused
 backward, MS_LOSS_TRITON_CHUNK_MB=0; on a GPU plain `triton` takes the chunked one: pair weights to
-memory 256 MiB at a time, the second product by cuBLAS), `triton-chunk128` and `triton-chunk64`
-(the chunked backward at 128 and 64 MiB of pair weights), `triton-tuned` (with --tuned tune.json:
+memory 256 MiB at a time, the second product by cuBLAS), `triton-chunk192` and `triton-chunk128`
+(the chunked backward at 192 and 128 MiB of pair weights), `triton-tuned` (with --tuned tune.json:
 the triton step on the winners of bench/tune_triton.py's sweep at B = 16384 for this dtype, forward
 tiles and backward form, so that one GPU call can sweep and time them beside the shipped entries),
 `compiled` (the dense MS loss and miner written plainly in torch, bench/compiled_loss.py, under
@@ -29,7 +29,7 @@ import os
 TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 SPLIT = ("triton-split", "triton-fp16x3", "triton-fp16x3-split")  # on request: float32's alone differ from triton
-BUDGETS = {"triton-chunk128": "128", "triton-chunk64": "64"}  # on request: MS_LOSS_TRITON_CHUNK_MB
+BUDGETS = {"triton-chunk192": "192", "triton-chunk128": "128"}  # on request: MS_LOSS_TRITON_CHUNK_MB
 COMPILED = ("compiled", "compiled-graph")
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, "cuda", *COMPILED, "pml")
 FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, "cuda")
@@ -50,8 +50,8 @@ PROVIDER_HELP = {
     "triton-fp16x3": "the Triton backend, its float32 S tiles as three float16 products of split unit rows"
                      " (bench/triton_internals.py)",
     "triton-fp16x3-split": "triton-fp16x3 and triton-split together",
+    "triton-chunk192": "the Triton backend's chunked backward at 192 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=192)",
     "triton-chunk128": "the Triton backend's chunked backward at 128 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=128)",
-    "triton-chunk64": "the Triton backend's chunked backward at 64 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=64)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
     "compiled": "the dense loss + miner written plainly in torch (bench/compiled_loss.py) under torch.compile;"
                 " compiled by its first call, untimed",

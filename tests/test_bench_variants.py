@@ -74,8 +74,8 @@ def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
     assert (got[1] - expected[1]).abs().max() <= 1e-5 * expected[1].abs().max()
 
 
-@pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk128", "128"),
-                                              ("triton-chunk64", "64")])
+@pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk192", "192"),
+                                              ("triton-chunk128", "128")])
 def test_triton_providers_run_under_the_budget_they_name(monkeypatch, provider, budget):
     import ms_loss_cuda
     from providers import step_function
