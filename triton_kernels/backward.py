@@ -38,7 +38,8 @@ class Unlift(NamedTuple):
 
 class Reorder(NamedTuple):
     """The chunked backward's last step in the self case, which runs in label order: out[order[r]] =
-    grad[r], the gradient's rows in the caller's order."""
+    grad[r], the gradient's rows in the caller's order (out None: a plan made with reorder=False, whose
+    caller reads the rows in label order and drops this step)."""
     out: torch.Tensor
     grad: torch.Tensor
     order: torch.Tensor
@@ -126,7 +127,7 @@ def piece_rows(budget, dim):
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                   mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
-                  capability=None, grad_divisor=1, float32=False, rows_in_label_order=None):
+                  capability=None, grad_divisor=1, float32=False, rows_in_label_order=None, reorder=True):
     """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
     grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
     without ref_grad. The chunked backward's gradients are float32, the fused one's in the inputs'
@@ -134,7 +135,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     "mean" would leave subnormal). A gradient whose launch splits its columns comes as float32 partials
     [splits, rows, D], to be summed over the first axis. `rows_in_label_order`: the self case's rows
     in the forward's label order where the caller has them (the eager loss: its forward's copy,
-    `forward_plan_keeping_rows`), else gathered here."""
+    `forward_plan_keeping_rows`), else gathered here. `reorder` False: the self case's chunked dx is
+    left in label order, its last step a `Reorder` without an output (B x D float32 values fewer),
+    which gives the caller the order."""
     check_dtypes(x, ref)
     check_beta(beta)
     a, b, a_labels, a_ids, b_labels, b_ids = plan_operands(x, labels, ids, ref, ref_labels, ref_ids,
@@ -207,8 +210,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
                                                 anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim))
         if order is not None:
-            steps.append(Reorder(torch.empty_like(grad_x), grad_x, order))
-            grad_x = steps[-1].out
+            steps.append(Reorder(torch.empty_like(grad_x) if reorder else None, grad_x, order))
+            grad_x = steps[-1].out if reorder else grad_x
         return grad_x, grad_ref, steps
     grid_d = cdiv(dim, config["BLOCK_D"])
     multiprocessors = multiprocessors or launcher.device_multiprocessors(x.device, interpret)

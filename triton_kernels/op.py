@@ -75,9 +75,10 @@ def _summed(grad):
 
 def _backward_plan_in_label_order(*args, **kwargs):
     """backward_plan's, but the self case's chunked backward leaves dx in label order, without its last
-    step (`Reorder`), and gives the order too (else None): the normalisation's backward reads the
-    rows in that order (`unit_rows_grad_plan`), which saves the reordered copy and its cast."""
-    grad_x, grad_ref, launches = backward_plan(*args, **kwargs)
+    step (`Reorder`, made without an output), and gives the order too (else None): the
+    normalisation's backward reads the rows in that order (`unit_rows_grad_plan`), which saves the
+    reordered copy, its memory and its cast."""
+    grad_x, grad_ref, launches = backward_plan(*args, reorder=False, **kwargs)
     if launches and isinstance(launches[-1], Reorder):
         reorder = launches.pop()
         return reorder.grad, grad_ref, reorder.order, launches

@@ -1,0 +1,31 @@
+"""The memory an eager triton step allocates with a GPU's launch plans (bench/step_memory.py, on CPU
+with the launches dropped): the self case's chunked backward holds its weights buffer, the rows it
+reads (unit rows, their label-ordered copy, the triangle's unlifted copy), dx in float32 and one
+product's result at a time; nothing else of the step's size (a reordered copy of dx that the eager
+path never reads, say); and a replayed step allocates only its gradient in the inputs' dtype, the
+loss and (on CPU only) the multiply's float32 temporary."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ms_loss_cuda.triton_kernels")
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("budget", [16, 256])
+def test_a_step_holds_its_budget_and_a_few_copies_of_the_batch(budget):
+    batch, dim = 4096, 512
+    done = subprocess.run([sys.executable, os.path.join(HERE, "bench", "step_memory.py"), "--serve", HERE,
+                           str(batch), "-", str(budget), "--dim", str(dim)], capture_output=True, text=True,
+                          cwd=os.path.join(HERE, "bench"), env=dict(os.environ, PYTHONPATH=os.path.join(HERE, "bench")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = batch * dim * 2 / MIB  # (the batch in float16)
+    # (whole rows at 256 MiB: all B x B weights, 32 MiB, and no unlifted copy; the triangle at 16)
+    weights = min(budget, batch * batch * 2 / MIB)
+    assert measured["direct"] <= weights + 6 * rows + 1, measured
+    assert measured["replayed"] <= 3 * rows + 1, measured
