@@ -6,9 +6,8 @@ The step is bench/host_time.py's CPU stand-in with its launches dropped: every t
 torch's ops allocate is allocated as on a GPU (the launches only write them), and each cuBLAS
 product allocates its float32 result, as torch's product does. torch's profiler records every
 allocation and free (profile_memory); their running sum gives the peak. A GPU adds cuBLAS's
-workspace (32 MiB on Hopper) and its caching allocator's rounding: on an H100 the same build's
-step without replay peaked at 88 and 401 MiB at B = 4096 and 16384
-(bench/results/gpu/h100/bench-float16.log, triton-direct), where this gives 56 and 369.
+workspace (32 MiB on Hopper) and its caching allocator's rounding: on an H100 a step without replay
+peaked 32 MiB above what this gives for the same plans at B = 4096 and 16384 (docs/benchmarks.md).
 `direct`: the step as it runs without replay (MS_LOSS_CUDA_GRAPHS=0), all its memory its own;
 `replayed`: what a step replayed by a (stand-in) CUDA graph allocates outside the graph's memory,
 which the graph keeps between steps (about the direct step's peak). Each checkout, shape and budget

@@ -12,16 +12,17 @@ import sys
 import pytest
 
 pytest.importorskip("ms_loss_cuda.triton_kernels")
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 
 
 @pytest.mark.parametrize("budget", [16, 256])
 def test_a_step_holds_its_budget_and_a_few_copies_of_the_batch(budget):
     batch, dim = 4096, 512
-    done = subprocess.run([sys.executable, os.path.join(HERE, "bench", "step_memory.py"), "--serve", HERE,
-                           str(batch), "-", str(budget), "--dim", str(dim)], capture_output=True, text=True,
-                          cwd=os.path.join(HERE, "bench"), env=dict(os.environ, PYTHONPATH=os.path.join(HERE, "bench")))
+    bench = os.path.join(ROOT, "bench")
+    done = subprocess.run([sys.executable, os.path.join(bench, "step_memory.py"), "--serve", ROOT, str(batch), "-",
+                           str(budget), "--dim", str(dim)], capture_output=True, text=True, cwd=bench,
+                          env=dict(os.environ, PYTHONPATH=bench))
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     rows = batch * dim * 2 / MIB  # (the batch in float16)

@@ -264,8 +264,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1], in pieces of at most `piece` rows (piece_rows). S costs
     half a GEMM-equivalent plus half of each chunk's square, where all columns would cost one; the
     products still one, but the second reads and writes all later rows of dx once per chunk,
-    memory-bound for short chunks: so the triangle
-    needs chunks of at least TRIANGLE_ROWS (tile_config). A weight enters a product from either side
+    memory-bound for short chunks: so the triangle needs chunks of at least TRIANGLE_ROWS
+    (tile_config). A weight enters a product from either side
     there, so H_pq is lifted by both ends' lifts, l_p l_q (`scales_kernel`'s HALF_LIFT: about the
     square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
     divided by theirs (`Unlift`): (H L) (L^-1 x) row by row, unlifted by each output row's own. So an
