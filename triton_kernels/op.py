@@ -189,10 +189,11 @@ def _step_with_gradients(x, ref, labels, ids, ref_labels, ref_ids, hyper_paramet
 
 
 def _scaled(g, grad, dtype):
-    """g (float32) times grad_output (one value, 0-d: it takes g's float32), rounded once into `dtype`:
-    one op, whose kernel casts as it stores (on a GPU; the CPU's goes through a float32 copy)."""
+    """g (float32) times grad_output (the 0-d gradient of the 0-d loss: it takes g's float32), rounded
+    once into `dtype`: one op, whose kernel casts as it stores (on a GPU; the CPU's goes through a
+    float32 copy)."""
     with torch.no_grad():
-        return torch.mul(g, grad.reshape(()), out=torch.empty(g.shape, dtype=dtype, device=g.device))
+        return torch.mul(g, grad, out=torch.empty(g.shape, dtype=dtype, device=g.device))
 
 
 def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, memory_ids, hyper_parameters, normalize,
