@@ -61,7 +61,8 @@ def main():
     parser.add_argument("--grad-scale", type=float, default=1024.0,
                         help="the 16-bit runs' grad_output (a loss scale; the gradient is divided by it)")
     parser.add_argument("--split-products", action="store_true",
-                        help="triton: its float32 backward's products as three TF32 products (bench/triton_internals.py)")
+                        help="triton: its float32 backward's products as three TF32 products"
+                             " (bench/triton_internals.py)")
     parser.add_argument("--fp16x3", action="store_true",
                         help="triton: its float32 S tiles as three float16 products (bench/triton_internals.py)")
     parser.add_argument("--out", help="also write the table to this file")

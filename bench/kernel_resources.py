@@ -64,7 +64,8 @@ def main():
     args = parser.parse_args()
     triton_aot.ROWS = args.rows
     print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on"
-          + ("" if args.rows == 4096 else f", B = {args.rows}") + (f", PRECISION {args.precision}" if args.precision else ""))
+          + ("" if args.rows == 4096 else f", B = {args.rows}")
+          + (f", PRECISION {args.precision}" if args.precision else ""))
     for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
         if not name.startswith(tuple(args.kernels)):
             continue

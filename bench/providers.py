@@ -121,15 +121,16 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
         budget = "0" if provider == "triton-fused" else BUDGETS.get(provider)
         step = with_settings(step, budget, provider != "triton-direct")
         if provider == "triton-tuned":
-            from triton_internals import with_tiles  # (bench/, this module's folder)
+            from triton_internals import tiles, within  # (bench/, this module's folder)
 
-            return with_tiles(step, tuned)
+            return within(step, lambda: tiles(tuned))
         if provider in SPLIT:
-            from triton_internals import fp16x3_tiles, with_split_products, with_tiles
+            from triton_internals import fp16x3_tiles, split_products, tiles, within
 
             if provider.startswith("triton-fp16x3"):
-                step = with_tiles(step, fp16x3_tiles())
-            return with_split_products(step) if provider.endswith("-split") else step
+                table = fp16x3_tiles()
+                step = within(step, lambda: tiles(table))
+            return within(step, split_products) if provider.endswith("-split") else step
     return step
 
 

@@ -34,10 +34,10 @@ def tiles(table):
         launcher.tile_config = shipped
 
 
-def with_tiles(step, table):
-    """`step` under `tiles(table)`."""
+def within(step, context):
+    """`step`, each call of it within `context()` (`tiles(table)`, `split_products()`, ...)."""
     def run(x):
-        with tiles(table):
+        with context():
             step(x)
 
     return run
@@ -102,22 +102,10 @@ def split_products():
             result = (w_hi @ b_hi).addmm_(w_hi, b_lo).addmm_(w_lo, b_hi)
         finally:
             matmul.allow_tf32 = allowed
-        if product.accumulate:
-            product.out.addcmul_(result, product.unlift)
-        else:
-            torch.mul(result, product.unlift, out=product.out)
+        product.put(result)
 
     backward.Product.__call__ = split_product
     try:
         yield
     finally:
         backward.Product.__call__ = shipped
-
-
-def with_split_products(step):
-    """`step` under `split_products`."""
-    def run(x):
-        with split_products():
-            step(x)
-
-    return run

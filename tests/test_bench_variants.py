@@ -41,7 +41,7 @@ def test_split_products_give_the_shipped_gradient(monkeypatch, bank):
                                            backend="triton").backward()
 
     grads = []
-    for run in (step, triton_internals.with_split_products(step)):
+    for run in (step, triton_internals.within(step, triton_internals.split_products)):
         x = x0.clone().requires_grad_()
         run(x)
         grads.append(x.grad)

@@ -36,7 +36,8 @@ def test_runs_are_grouped_by_setting_in_seed_order(tmp_path, monkeypatch, jobs):
 
 
 def test_two_runs_may_not_share_a_folder(tmp_path):
-    settings = {"batch 8 (chunks of 2)": (8, ["--chunk-size", "2"]), "batch 8 (chunks of 4)": (8, ["--chunk-size", "4"])}
+    settings = {"batch 8 (chunks of 2)": (8, ["--chunk-size", "2"]),
+                "batch 8 (chunks of 4)": (8, ["--chunk-size", "4"])}
     with pytest.raises(ValueError, match="share a folder"):
         experiment_runs.run_settings(settings, lambda batch: 1, _args(tmp_path, 2))
 

@@ -64,6 +64,10 @@ class Product(NamedTuple):
             product = torch.mm(self.w, self.b, out_dtype=torch.float32)
         else:  # CPU tensors (the interpreter's tests): the same float32 sums of the 16-bit values
             product = self.w.float() @ self.b.float()
+        self.put(product)
+
+    def put(self, product):
+        """out = product * unlift, or out += that: the float32 result of w @ b, however it was made."""
         if self.accumulate:
             self.out.addcmul_(product, self.unlift)
         else:
