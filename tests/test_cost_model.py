@@ -203,6 +203,34 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     assert all(p.out.shape[0] <= piece for p in products if p.w.stride(0) == 1)  # (the transposed ones)
 
 
+@pytest.mark.parametrize("batch,ref_rows,mib", [(1024, 262144, 256), (1024, 1048576, 64), (256, 65536, 16)])
+def test_a_bank_compared_through_its_norms_makes_one_chunk_of_unit_rows_at_a_time(monkeypatch, batch, ref_rows,
+                                                                                  mib):
+    """A float16 bank as it is, with its norms (ref_norms): the forward's tiles scale S, and each chunk of
+    the chunked backward makes its own unit rows (one row launch of the chunk's rows), into one buffer
+    that shares the budget with the weights: still S once and one product (3 GEMM-equivalents), and
+    every weights launch fills an H100 twice over."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", str(mib))
+    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.arange(batch) // 4
+    ref, ref_labels = torch.zeros(ref_rows, 512, dtype=torch.float16), torch.arange(ref_rows) // 4
+    hyper, norms = (2.0, 50.0, 0.5, 0.1, True, False), torch.ones(2, ref_rows)
+    _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper, interpret=False,
+                                                    multiprocessors=H100, ref_norms=norms)
+    assert all(launch.constexprs["REF_SCALES"] for launch in forward)
+    *_, backward = triton_kernels.backward_plan(torch.ones(batch), stats, x, labels, None, ref, ref_labels, None,
+                                                *hyper, ref_grad=False, interpret=False, multiprocessors=H100,
+                                                ref_norms=norms)
+    cost = plan_cost(forward + backward, batch, ref_rows, 512)
+    assert cost["gemms"] <= 3.01 and cost["programs"]["weights_kernel"] >= 2 * H100, cost
+    weights = [step for step in backward if isinstance(step, Launch) and step.kernel.fn.__name__ == "weights_kernel"]
+    units = [step for step in backward if isinstance(step, Launch) and step.kernel.fn.__name__ == "divided_rows_kernel"]
+    assert len(weights) == len(units) >= 2
+    assert len({launch.args["b_ptr"].data_ptr() for launch in weights}) == 1  # (one buffer of unit rows)
+    assert weights[0].args["w_ptr"].untyped_storage().nbytes() + units[0].args["y_ptr"].untyped_storage().nbytes() \
+        <= mib * MIB
+    assert sum(launch.args["y_ptr"].shape[0] for launch in units) == ref_rows
+
+
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("batch,ref_rows", [(2048, 16384), (1024, 262144)])
 def test_the_chunked_backward_of_a_reference_set_with_gradient_computes_s_once(monkeypatch, dtype_name, batch,

@@ -15,7 +15,8 @@ from ms_loss_cuda.common import unit_rows
 
 from conftest import (assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
                       make_batch, to)
-from targets import DEVICE, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, in_turn, triton_kernels
+from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, in_turn,
+                     triton_kernels)
 
 if triton_kernels is not None:
     from ms_loss_cuda.triton_kernels import launcher, op, operands, row_kernels
@@ -115,6 +116,34 @@ def test_an_eager_triton_loss_is_one_autograd_node(ref_grad):
     leaves = [next_function for next_function, _ in loss.grad_fn.next_functions if next_function is not None]
     assert [type(f).__name__ for f in leaves] == ["AccumulateGrad"] * (1 + ref_grad)
     assert leaves[0].variable is x and (not ref_grad or leaves[1].variable is ref)
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("chunk_mib", ["0", "1e-6"])
+@pytest.mark.parametrize("dtype,ref_grad,through_norms", [(torch.float16, False, True), (torch.float16, True, False),
+                                                          (torch.float32, False, False)])
+def test_a_float16_bank_is_compared_through_its_norms(monkeypatch, chunk_mib, dtype, ref_grad, through_norms):
+    """A normalised float16 bank that takes no gradient enters the kernels as it is, with its norms,
+    where a bank that takes one (or of another dtype) is normalised first. Rows of norms from 1e-3 to
+    1e3, every reduction and a grad_output other than 1: the reference's loss and gradients, with the
+    fused backward and the chunked one (chunks of one tile, each making its unit rows); a bank row
+    holding an infinity makes the loss NaN."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+    compared = []
+    shipped = triton_kernels.forward.forward_plan
+    monkeypatch.setattr(triton_kernels.forward, "forward_plan",
+                        lambda *args, **kwargs: (compared.append(kwargs.get("ref_norms") is not None),
+                                                 shipped(*args, **kwargs))[1])
+    kwargs = build_case("ref_own_copy", 61, 40, torch.float64, seed=3)
+    norms = 10.0 ** torch.linspace(-3, 3, kwargs["ref_embeddings"].shape[0], dtype=torch.float64)
+    bank = F.normalize(kwargs["ref_embeddings"], dim=1) * norms[torch.randperm(norms.shape[0])][:, None]
+    kwargs = dict(kwargs, embeddings=kwargs["embeddings"].to(dtype), ref_embeddings=bank.to(dtype))
+    for reduction in REDUCTIONS:
+        compared.clear()
+        check_against_reference("triton", kwargs, dtype, reduction, DEVICE, ref_grad=ref_grad)
+        assert compared == [through_norms]
+    kwargs["ref_embeddings"][7, 2] = float("inf")
+    assert torch.isnan(multi_similarity_loss(**to(kwargs, DEVICE), backend="triton"))
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
@@ -436,14 +465,15 @@ def test_the_triton_normalisation_matches_torchs(dtype, shape):
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("case,rows,most", [("self", 2, 30), ("memory_bank", 3, 50)])
+@pytest.mark.parametrize("case,rows,most", [("self", 2, 30), ("memory_bank", 4, 50)])
 def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, rows, most):
     """On a GPU each torch op is a launch that costs the host several microseconds, and up to
     B = 16384 the host's time to issue an eager step is a large part of it (docs/benchmarks.md). One
     eager forward and backward after a first call (normalised 16-bit rows, "mean", the fused
     backward; the chunked one, a GPU's default, issues its cuBLAS products and buffers besides)
     issues the loss's 5 kernel launches (6 in the self case: its label order), `rows` of the row
-    kernels (the batch's normalisation forward and backward, the bank's normalisation) and at most
+    kernels (the batch's normalisation forward and backward; the bank's norms, and its unit rows for
+    the fused backward's product) and at most
     `most` other torch ops (the gradient's scaling by grad_output among them). The kernels are stubbed out, but
     for label_order_kernel, whose order the backward's plan reads."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")

@@ -31,7 +31,7 @@ def describe(record):
 
 
 def test_every_kernel_compiles_for_both_targets(records):
-    kernels = {"label_order_kernel", "unlifted_rows_kernel", "minpos_kernel",
+    kernels = {"label_order_kernel", "divided_rows_kernel", "minpos_kernel",
                "negatives_kernel[check_ids=False][skip_range=True]",
                "negatives_kernel[check_ids=True][skip_range=True]",
                "negatives_kernel[check_ids=False][skip_range=False]", "finish_kernel[skip_range=True]",
@@ -49,18 +49,21 @@ def test_every_kernel_compiles_for_both_targets(records):
                                                              (True, "[range_tiles]"))}
     # the fused backward takes the self case in label order, with and without the caller's identities
     kernels |= {f"grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
+    # a float16 bank compared through its norms: the forward's kernels (the backward's read unit rows)
+    bank = {"minpos_kernel[ref_scales]", "negatives_kernel[check_ids=False][skip_range=False][ref_scales]",
+            "finish_kernel[skip_range=False][ref_scales]"}
     # the normalisation (no float32-tf32 variant)
-    rows = {"unit_rows_kernel", "unit_rows_grad_kernel", "stored_rows_kernel"}
+    rows = {"unit_rows_kernel", "unit_rows_kernel[norms]", "unit_rows_grad_kernel", "stored_rows_kernel"}
     rows |= {f"unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == \
-                kernels | (set() if dtype.endswith("-tf32") else rows)
+                kernels | (set() if dtype.endswith("-tf32") else rows) | (bank if dtype == "float16" else set())
 
 
 def test_every_product_uses_tensor_cores(records):
     products = [r for r in records  # (the label order, finish, scales and row kernels have no product)
-                if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "unlifted_rows",
+                if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "divided_rows",
                                                "stored_rows"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below

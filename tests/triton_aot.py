@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 
 from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
 from ms_loss_cuda.triton_kernels.launcher import Launch
-from ms_loss_cuda.triton_kernels.row_kernels import stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
+from ms_loss_cuda.triton_kernels.row_kernels import row_norms_plan, stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
@@ -32,7 +32,7 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16:
                  torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
 ROW_KERNEL_DIMS = (130, 512)  # the row kernels: a masked and a whole block of columns
-PLAN_ROW_KERNELS = ("label_order_kernel", "unlifted_rows_kernel")  # (the plans' row kernels: at those D only)
+PLAN_ROW_KERNELS = ("label_order_kernel", "divided_rows_kernel")  # (the plans' row kernels: at those D only)
 ROWS, REF_ROWS = 4096, 1000
 
 
@@ -42,8 +42,8 @@ TF32_DIMS = (32, 130, 512)
 
 def launches(dtype_name, dim, mining, skip, cc):
     """The dispatcher's launches (GPU configurations of compute capability cc) for the self and the
-    reference-set case, with the fused and the chunked backward (its cuBLAS products left out), and
-    the normalisation's row kernels."""
+    reference-set case (float16: also a bank compared through its norms), with the fused and the
+    chunked backward (its cuBLAS products left out), and the normalisation's row kernels."""
     torch.set_float32_matmul_precision("high" if dtype_name.endswith("-tf32") else "highest")
     dtype = getattr(torch, dtype_name.split("-")[0])
     x, labels = torch.randn(ROWS, dim, dtype=dtype), torch.randint(0, 100, (ROWS,))
@@ -53,6 +53,7 @@ def launches(dtype_name, dim, mining, skip, cc):
     if dim in ROW_KERNEL_DIMS and not dtype_name.endswith("-tf32") and mining and not skip:
         y, norm, _, normalize = unit_rows_plan(x)
         found.update((launch.kernel.fn.__name__, launch) for launch in normalize + unit_rows_grad_plan(x, y, norm)[1])
+        found["unit_rows_kernel[norms]"] = row_norms_plan(x)[-1][0]  # (a bank's norms alone)
         # the eager loss's: the backward's float32 rows, the chunked one's padded and in label order, into
         # the input's dtype ("none") or into float32 (the gradient its forward makes for "mean" and "sum")
         padded, order = torch.zeros(ROWS, dim + 16, dtype=torch.float32), torch.arange(ROWS, dtype=torch.int32)
@@ -62,27 +63,33 @@ def launches(dtype_name, dim, mining, skip, cc):
         # CrossBatchMemory's store: the rows into a memory of their dtype, int64 labels and ids into int64 ones
         keys, slots = torch.arange(ROWS), torch.arange(ROWS)
         found["stored_rows_kernel"] = stored_rows_plan(y, keys, keys, slots, y, keys, keys)[1][0]
-    cases = [("self", None, None, None), ("ref", None, ref, ref_labels)]
+    cases = [("self", None, None, None, None), ("ref", None, ref, ref_labels, None)]
     if dim == DIMS[-1]:  # the self case with the caller's identities (its kernels' variants that may compare
         # them, behind a flag: the same tiles as without) at one D, which keeps the compile checks' time down
-        cases.append(("self", torch.arange(ROWS) % 97, None, None))
-    for case, i, r, rl in cases:
+        cases.append(("self", torch.arange(ROWS) % 97, None, None, None))
+    if dtype == torch.float16:  # a bank of float16 rows as they are, compared through its norms
+        cases.append(("ref", None, ref, ref_labels, torch.ones(2, REF_ROWS)))
+    for case, i, r, rl, ref_norms in cases:
         capability = divmod(cc, 10)
-        _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability)
+        _, stats, forward = forward_plan(x, labels, i, r, rl, None, *hyper, interpret=False, capability=capability,
+                                         ref_norms=ref_norms)
+        bank = dict(ref_norms=ref_norms, ref_grad=ref_norms is None)
         if r is None:  # the label order label_order_kernel would write, which the backward's plan reads
             order = torch.sort(labels, stable=True).indices
             ranks = torch.searchsorted(labels[order], labels[order])
             stats[4:].view(torch.int32).copy_(torch.stack([order, ranks]))
         with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB="0"):  # the fused backward (a GPU's default: chunked)
             *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,
-                                         capability=capability)
+                                         capability=capability, **bank)
         chunked = []
         for mib in ("64", "16"):  # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
             with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
-                for ref_grad in (True, False):  # (without: the eager loss's one gradient for all anchors, "mean")
+                for ref_grad in (True, False) if ref_norms is None else (False,):
+                    # (without: the eager loss's one gradient for all anchors, "mean")
                     grad = torch.ones(ROWS) if ref_grad else torch.ones(1).expand(ROWS)
                     chunked += backward_plan(grad, stats, x, labels, i, r, rl, None, *hyper, ref_grad=ref_grad,
-                                             interpret=False, capability=capability, grad_divisor=ROWS)[-1]
+                                             interpret=False, capability=capability, grad_divisor=ROWS,
+                                             ref_norms=ref_norms)[-1]
         for launch in forward + backward + chunked:
             if not isinstance(launch, Launch) or (launch.kernel.fn.__name__ in PLAN_ROW_KERNELS
                                                   and dim not in ROW_KERNEL_DIMS):
@@ -97,6 +104,7 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
             name += "[label_order]" if c.get("LABEL_ORDER") else ""
             name += "[range_tiles]" if c.get("RANGE_TILES") else ""
+            name += "[ref_scales]" if c.get("REF_SCALES") or c.get("B_SCALES") else ""
             found.setdefault(name, launch)  # (the launches the cases share are compiled once)
     return found
 

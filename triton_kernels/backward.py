@@ -19,15 +19,15 @@ import torch
 from . import launcher
 from .backward_kernels import grad_kernel, scales_kernel, weights_kernel
 from .launcher import INTERPRETED, Launch, cdiv
-from .operands import (block_ranges, check_beta, check_dtypes, column_splits, plan_operands, saved_label_order,
-                       shared_identities)
-from .row_kernels import rows_launch, unlifted_rows_kernel
+from .operands import (block_ranges, check_beta, check_dtypes, check_ref_norms, column_splits, plan_operands,
+                       saved_label_order, shared_identities)
+from .row_kernels import divided_rows_kernel, rows_launch
 
 
 class Unlift(NamedTuple):
     """A step of the chunked backward, after scales_kernel: out = numerator / lift, row by row. With
     numerator norm, out [n, 1] takes the products of lifted weights back (`Product`): one lift per
-    row, or one for all ([1, 1]). (The triangle's rows of x: `unlifted_rows_kernel`.)"""
+    row, or one for all ([1, 1]). (The triangle's rows of x: `divided_rows_kernel`.)"""
     out: torch.Tensor
     numerator: torch.Tensor
     lift: torch.Tensor
@@ -131,7 +131,8 @@ def piece_rows(budget, dim):
 
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                   mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
-                  capability=None, grad_divisor=1, float32=False, rows_in_label_order=None, reorder=True):
+                  capability=None, grad_divisor=1, float32=False, rows_in_label_order=None, reorder=True,
+                  ref_norms=None):
     """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
     grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
     without ref_grad. The chunked backward's gradients are float32, the fused one's in the inputs'
@@ -141,9 +142,14 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     in the forward's label order where the caller has them (the eager loss: its forward's copy,
     `forward_plan_keeping_rows`), else gathered here. `reorder` False: the self case's chunked dx is
     left in label order, its last step a `Reorder` without an output (B x D float32 values fewer),
-    which gives the caller the order."""
+    which gives the caller the order. `ref_norms`: float16 rows of a reference set that takes no
+    gradient, as they are, compared as unit rows (operands.check_ref_norms): the chunked backward makes
+    its unit rows a chunk at a time (`_chunked_plan`), the fused one whole."""
     check_dtypes(x, ref)
     check_beta(beta)
+    check_ref_norms(x, ref, ref_norms)
+    if ref_norms is not None and ref_grad:
+        raise ValueError("a reference set compared through its norms (ref_norms) takes no gradient here")
     a, b, a_labels, a_ids, b_labels, b_ids = plan_operands(x, labels, ids, ref, ref_labels, ref_ids,
                                                            default_ids=ref is not None)
     num_x, dim = a.shape
@@ -172,7 +178,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
         triangle_tiles = tiles.pop("TRIANGLE_TILES", {})
         rectangles, triangle = chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
-                                                a.element_size() * (1 + copy), chunk_bytes, triangle_rows)
+                                                a.element_size() * (1 + copy), chunk_bytes, triangle_rows,
+                                                dim if ref_norms is not None else 0)
         if triangle and tiles["BLOCK_M"] % triangle_tiles.get("BLOCK_M", 1) == 0:  # (its chunks are whole blocks)
             tiles.update(triangle_tiles)
     order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
@@ -212,7 +219,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
                      BOTH_LIFTS=triangle, COPY=copy, **label_order_flags)
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
-                                                anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim))
+                                                anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim),
+                                                ref_norms)
         if order is not None:
             steps.append(Reorder(torch.empty_like(grad_x) if reorder else None, grad_x, order))
             grad_x = steps[-1].out if reorder else grad_x
@@ -238,19 +246,24 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if ref is None:  # row block I builds G_IJ + G_JI^T itself
         grad_x, launch = grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), True, True)
         return grad_x, x.new_empty((0,)), [scales, launch]
+    steps = [scales]
+    if ref_norms is not None:  # the bank's unit rows, whole: the fused form's tiles take them as they are
+        rows, b = b, torch.empty_like(b)
+        steps.append(rows_launch(divided_rows_kernel, b.shape, {}, t_ptr=rows, divisor_ptr=ref_norms[0], y_ptr=b))
     grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False)
     if not ref_grad:  # a memory bank: no gradient for it, and no launch
-        return grad_x, x.new_empty((0,)), [scales, launch_x]
+        return grad_x, x.new_empty((0,)), steps + [launch_x]
     grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
-    return grad_x, grad_ref, [scales, launch_x, launch_ref]
+    return grad_x, grad_ref, steps + [launch_x, launch_ref]
 
 
-def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, triangle_rows):
+def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, triangle_rows, column_rows=0):
     """The chunked backward's chunks, ((row_begin, row_end), (col_begin, col_end)) each, and whether
     they are the self case's triangle: its chunks when they are at least
-    triangle_rows tall (and more than one), else chunks of whole rows."""
+    triangle_rows tall (and more than one), else chunks of whole rows. `column_rows`: the elements
+    each column of a reference set's chunk also holds in the budget (a bank's unit rows, D)."""
     if not self_case:
-        columns = even_chunks(num_b, tiles["BLOCK_N"], num_x, element_size, budget)
+        columns = even_chunks(num_b, tiles["BLOCK_N"], num_x + column_rows, element_size, budget)
         return [((0, num_x), chunk) for chunk in columns], False
     chunks = triangle_chunks(num_x, tiles["BLOCK_M"], element_size, budget)
     if len(chunks) > 1 and chunks[0][1] - chunks[0][0] >= triangle_rows:
@@ -258,7 +271,8 @@ def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, trian
     return [(rows, (0, num_b)) for rows in even_chunks(num_x, tiles["BLOCK_M"], num_b, element_size, budget)], False
 
 
-def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales, piece):
+def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales, piece,
+                  ref_norms):
     """backward_plan's result for the chunked backward: weights_kernel writes the lifted pair weights
     of a chunk (`chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
     buffers within the budget and reused by every chunk.
@@ -278,7 +292,11 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     its rows of dx once.
     Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
-    lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both.
+    lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both. A memory bank
+    compared through its norms (ref_norms, no gradient): each chunk's unit rows are made from its rows
+    (divided_rows_kernel, one buffer within the budget beside the weights), and the chunk is a
+    reference set of its own to the weights kernel and the product (its columns from 0, its keys'
+    views): the bank's unit rows never exist whole (R x D, 256 MiB for 262,144 float16 rows of 512).
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = launcher.split_config(tiles)
     (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
@@ -292,7 +310,9 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     steps = [scales, Unlift(unlift, norm, lift)]
     if triangle:  # the rows of x that enter both products, each divided by its lift
         a_unlifted = torch.empty_like(a)
-        steps.append(rows_launch(unlifted_rows_kernel, a.shape, {}, t_ptr=a, lift_ptr=lift, y_ptr=a_unlifted))
+        steps.append(rows_launch(divided_rows_kernel, a.shape, {}, t_ptr=a, divisor_ptr=lift, y_ptr=a_unlifted))
+    unit = None if ref_norms is None else b.new_empty(max([end - begin for _, (begin, end) in rectangles], default=0),
+                                                      dim)  # (a chunk's unit rows of the bank)
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
@@ -302,6 +322,13 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         grid = (cdiv(cols, tiles["BLOCK_N"]), cdiv(rows, tiles["BLOCK_M"]))
         args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
+        columns = b[col_begin:col_end]
+        if unit is not None:  # the chunk's unit rows, a reference set of their own
+            columns = unit[:cols]
+            steps.append(rows_launch(divided_rows_kernel, columns.shape, {}, t_ptr=b[col_begin:col_end],
+                                     divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns))
+            args.update(b_ptr=columns, b_labels_ptr=weights_args["b_labels_ptr"][col_begin:col_end],
+                        b_ids_ptr=weights_args["b_ids_ptr"][col_begin:col_end], col_begin=0, col_end=cols)
         steps.append(Launch(weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
                             stages))  # (identities: the range launch's)
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
@@ -317,7 +344,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
                 steps.append(Product(w[:, begin - col_begin:end - col_begin].T, a_unlifted[row_begin:row_end],
                                      grad_x[begin:end], unlift[begin:end], accumulate=chunk > 0))
             continue
-        steps.append(Product(w[:, :cols], b[col_begin:col_end], grad_x[row_begin:row_end], unlift[row_begin:row_end],
+        steps.append(Product(w[:, :cols], columns, grad_x[row_begin:row_end], unlift[row_begin:row_end],
                              accumulate=col_begin > 0))
         if copy:
             steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref, accumulate=False))

@@ -118,9 +118,10 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                 PRECISION)
             label_free = ((start + BLOCK_N <= range_begin) | (start >= range_end)) & distinct_ids
-        else:  # (a reference set: the classes' keys loaded before S, as the measured kernel did)
-            s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i,
-                                              cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        else:  # (a reference set: the classes' keys loaded before S, as the measured kernel did; unit rows)
+            s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_labels_ptr, rows, row_ok,
+                                              label_i, id_i, cols, col_ok, dim, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                              UPCAST, PRECISION)
         if B_ANCHORS and not EARLY_COLUMN_TERMS:
             minpos_j, maxneg_j, lp_j, ln_j, scale_j = anchor_terms(
                 stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
@@ -173,8 +174,8 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                             PRECISION)
     else:
         label_i, id_i = load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
-        s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols,
-                                          col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_labels_ptr, rows, row_ok, label_i,
+                                          id_i, cols, col_ok, dim, False, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
     minpos_i, maxneg_i, lp_i, ln_i, scale_i = anchor_terms(
         stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
     if B_ANCHORS:

@@ -11,19 +11,21 @@ import torch
 from . import launcher
 from .forward_kernels import finish_kernel, minpos_kernel, negatives_kernel
 from .launcher import INTERPRETED, Launch, cdiv
-from .operands import (SAVED_ROWS, check_beta, check_dtypes, column_splits, label_order, plan_operands,
-                       positive_ranges, shared_identities, sortable)
+from .operands import (SAVED_ROWS, check_beta, check_dtypes, check_ref_norms, column_splits, label_order,
+                       plan_operands, positive_ranges, shared_identities, sortable)
 from .row_kernels import label_order_kernel
 
 
 def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon, mining,
-                 skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None, capability=None):
+                 skip_incomplete_anchors, interpret=INTERPRETED, multiprocessors=None, capability=None, ref_norms=None):
     """(loss [B], stats [4, B], launches that fill them): the hardest positive from each block's
     positive range, one pass over all columns (per column split) for the negatives, and one launch
     that combines the splits and sums the positives (`positive_ranges`). Self case: stats [6, B],
-    the last two rows its label order for the backward (`label_order`, `saved_label_order`)."""
+    the last two rows its label order for the backward (`label_order`, `saved_label_order`).
+    `ref_norms`: float16 rows of `ref` as they are, compared as unit rows (operands.check_ref_norms)."""
     check_dtypes(x, ref)
     check_beta(beta)
+    check_ref_norms(x, ref, ref_norms)
     a, b, a_labels, a_ids, b_labels, b_ids = plan_operands(x, labels, ids, ref, ref_labels, ref_ids)
     num_x, dim = a.shape
     loss = torch.empty(num_x, dtype=torch.float32, device=x.device)  # (finish_kernel writes every row)
@@ -45,8 +47,10 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     minpos = torch.empty(2, num_x, dtype=torch.float32, device=x.device)  # (and the positive ranges' maxneg)
     partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
     tensors = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
-                   ref_ids_ptr=b_ids, row_order_ptr=row_order, range_ptr=ranges, minpos_ptr=minpos, num_x=num_x,
-                   dim=dim)
+                   ref_ids_ptr=b_ids, ref_scale_ptr=minpos if ref_norms is None else ref_norms[1],
+                   row_order_ptr=row_order, range_ptr=ranges, minpos_ptr=minpos, num_x=num_x,
+                   dim=dim)  # (ref_scale_ptr: read with REF_SCALES only)
+    config["REF_SCALES"] = ref_norms is not None
     segmented = segment_end is not None  # (unsegmented: the kernels never read the two, any pointer will do)
     positives = dict(col_order_ptr=col_order, segment_end_ptr=segment_end if segmented else col_order,
                      column_shift_ptr=column_shift if segmented else col_order)

@@ -24,10 +24,10 @@ from .pairs import (anchor_counts, column_range, load_keys, mined_negatives, ord
 
 
 @triton.jit
-def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
-                  segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim, SEGMENTED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, row_order_ptr,
+                  col_order_ptr, segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim,
+                  SEGMENTED: tl.constexpr, REF_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Each anchor's hardest positive, from the columns of its block's positive range alone, and the
     hardest negative among those columns: minpos [2, B]."""
     rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
@@ -37,8 +37,9 @@ def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         s, positive, negative = positive_range_tile(
-            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
-            label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr,
+            rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES, BLOCK_M, BLOCK_N,
+            BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, float("inf")), axis=1))
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -float("inf")), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
@@ -46,10 +47,10 @@ def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
 
 
 @triton.jit
-def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, range_ptr,
-                     shared_ids_ptr, minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta, base,
-                     epsilon,
-                     MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr,
+def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, row_order_ptr,
+                     range_ptr, shared_ids_ptr, minpos_ptr, part_ptr, num_x, num_ref, dim, splits, cols_per_split, beta,
+                     base, epsilon,
+                     MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr, REF_SCALES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The one pass over all columns (this program's split): the hardest negative, and the sum of
@@ -93,8 +94,9 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
                     s = tl.where(id_i[:, None] != other_ids[None, :], s, -float("inf"))
             negative = True  # (-inf marks the rest)
         else:
-            s, _, negative = pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i,
-                                       cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+            s, _, negative = pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, rows, row_ok,
+                                       label_i, id_i, cols, col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                       PRECISION)
         s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
         maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
         # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
@@ -111,11 +113,12 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
 
 
 @triton.jit
-def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, row_order_ptr, col_order_ptr,
-                  segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, part_ptr, stats_ptr, loss_ptr, num_x, dim,
-                  splits, alpha, beta, base, epsilon, MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                  SEGMENTED: tl.constexpr, SKIP_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, row_order_ptr,
+                  col_order_ptr, segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, part_ptr, stats_ptr,
+                  loss_ptr, num_x, dim, splits, alpha, beta, base, epsilon, MINING: tl.constexpr,
+                  SKIP_INCOMPLETE: tl.constexpr, SEGMENTED: tl.constexpr, SKIP_RANGE: tl.constexpr,
+                  REF_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The splits combined in their order (maxneg, LN), with the positive range's own negatives where
     the negatives kernel skipped it (SKIP_RANGE: their maxneg from minpos_kernel, their sum here);
     then the positive sum over the positive range (the positives' mining needs the final maxneg);
@@ -144,8 +147,9 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         s, positive, negative = positive_range_tile(
-            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr, rows, row_ok,
-            label_i, id_i, start, range_end, num_x, dim, SEGMENTED, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr,
+            rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES, BLOCK_M, BLOCK_N,
+            BLOCK_K, UPCAST, PRECISION)
         if SKIP_RANGE:
             unused_s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
             sum_n += tl.sum(tl.exp(beta * (mined - base) - shift[:, None]), axis=1)

@@ -23,7 +23,7 @@ from .forward import forward_plan, forward_plan_keeping_rows
 from .launcher import run
 from . import replay
 from .operands import SAVED_ROWS, ranked_keys
-from .row_kernels import stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
+from .row_kernels import row_norms_plan, stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 
 # ---- the ops ----------------------------------------------------------------------------------
@@ -50,14 +50,15 @@ def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, lab
 
 def backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1, float32=False,
-                               rows_in_label_order=None):
+                               rows_in_label_order=None, ref_norms=None):
     """The backward op's work, for inputs that were checked: the forward's (and the eager loss's,
     whose "mean" divides by grad_divisor, without normalisation; `float32`: see `_unpadded`;
-    `rows_in_label_order`: see backward_plan)."""
+    `rows_in_label_order`, `ref_norms`: see backward_plan)."""
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
                            alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
-                           grad_divisor=grad_divisor, float32=float32, rows_in_label_order=rows_in_label_order)
+                           grad_divisor=grad_divisor, float32=float32, rows_in_label_order=rows_in_label_order,
+                           ref_norms=ref_norms)
     return _unpadded(grad_x, x, float32), (_unpadded(grad_ref, ref, float32) if ref_grad else grad_ref)
 
 
@@ -130,9 +131,17 @@ def _unit_rows(t, normalize):
     return run(unit_rows_plan, t.device, t.contiguous()) if normalize and t is not None else (t, None, None)
 
 
-def _normalized(x, ref, normalize):
-    """(a, a_norm, a_finite, b, b_norm, b_finite): the rows the loss compares (`_unit_rows`)."""
-    return *_unit_rows(x, normalize), *_unit_rows(ref, normalize)
+def _reference_rows(x, ref, normalize, ref_grad):
+    """(rows, norm, finite, ref_norms) of the reference set (`_unit_rows`'s, ref_norms None); for float16
+    rows at both ends under `normalize` whose reference set takes no gradient (a memory bank), its rows
+    as they are, None, the finite flags and its norms with their reciprocals (row_norms_plan; the
+    kernels compare the rows as unit rows through them: forward_plan): no copy of the bank, R x D, at
+    every call."""
+    if normalize and ref is not None and not ref_grad and x.dtype == ref.dtype == torch.float16:
+        ref = ref.contiguous()
+        ref_norms, finite = run(row_norms_plan, ref.device, ref)
+        return ref, None, finite, ref_norms
+    return *_unit_rows(ref, normalize), None
 
 
 def _reduced(losses, reduction, dtype, x, ref, finite):
@@ -147,25 +156,27 @@ def _reduced(losses, reduction, dtype, x, ref, finite):
     return loss.to(dtype)
 
 
-def _forward_step(x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize):
+def _forward_step(x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, ref_grad):
     """The eager forward's launches: (losses, stats, rows in label order, saved), `saved` what the
-    backward reads (see `_gradients`)."""
+    backward reads (see `_gradients`; `ref_grad`: whether it will take the reference set's gradient)."""
     labels, ids, ref, ref_labels, ref_ids = ranked_keys(labels, ids, ref, ref_labels, ref_ids)
-    a, a_norm, a_finite, b, b_norm, b_finite = _normalized(x, ref, normalize)
+    a, a_norm, a_finite = _unit_rows(x, normalize)
+    b, b_norm, b_finite, ref_norms = _reference_rows(x, ref, normalize, ref_grad)
     losses, stats, rows_in_label_order = run(forward_plan_keeping_rows, x.device, a, labels, ids, b, ref_labels,
-                                             ref_ids, *hyper_parameters)
-    saved = (a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats)
+                                             ref_ids, *hyper_parameters, ref_norms=ref_norms)
+    saved = (a, a_norm, b, b_norm, ref_norms, labels, ids, ref_labels, ref_ids, stats)
     return losses, (a_finite, b_finite), rows_in_label_order, saved
 
 
 def _gradients(saved, grad_loss, hyper_parameters, reduction, wanted, float32=False, rows_in_label_order=None):
     """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where `wanted` (a pair of
     booleans) says no; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan)."""
-    a, a_norm, b, b_norm, labels, ids, ref_labels, ref_ids, stats = saved
+    a, a_norm, b, b_norm, ref_norms, labels, ids, ref_labels, ref_ids, stats = saved
     batch, ref_grad = a.shape[0], b is not None and wanted[1]
     divisor = batch if reduction == "mean" and batch else 1
     args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters, ref_grad)
-    options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order)
+    options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order,
+                   ref_norms=ref_norms)
     if a_norm is None:
         da, db = backward_of_checked_inputs(*args, **options)
     else:  # then the normalisation's backward, from the loss's float32 gradients where they are
@@ -182,7 +193,7 @@ def _step_with_gradients(x, ref, labels, ids, ref_labels, ref_ids, hyper_paramet
     backward's for grad_output 1, the gradients in float32 (see `_EagerLoss`). Every launch is on
     the GPU, without host synchronisation: what replay.call captures."""
     losses, finite, rows_in_label_order, saved = _forward_step(x, ref, labels, ids, ref_labels, ref_ids,
-                                                               hyper_parameters, normalize)
+                                                               hyper_parameters, normalize, wanted[1])
     ones = _float32_one(x.device).expand(x.shape[0])
     da, db = _gradients(saved, ones, hyper_parameters, reduction, wanted, True, rows_in_label_order)
     return _reduced(losses, reduction, dtype, x, ref, finite), da, db
@@ -212,7 +223,7 @@ def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, me
     terms, grads = [], []
     for ref, ref_labels, ref_ids in ((None, None, None), bank):
         losses, _, rows_in_label_order, saved = _forward_step(a, ref, labels, ids, ref_labels, ref_ids,
-                                                              hyper_parameters, False)
+                                                              hyper_parameters, False, False)
         terms.append(reduce_losses(losses, reduction))
         grads.append(_gradients(saved, ones, hyper_parameters, reduction, (True, False), True, rows_in_label_order)[0])
     loss = nan_if_nonfinite(torch.add(*terms, alpha=weight), bank[0], None if normalize else a)
@@ -291,7 +302,8 @@ class _EagerLoss(torch.autograd.Function):
             saved, ctx.leases = replay.for_backward(grads)
             ctx.save_for_backward(x, ref, *saved)
             return loss
-        losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize)
+        losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize,
+                                                 ref is not None and ctx.needs_input_grad[1])
         ctx.save_for_backward(x, ref, *saved)
         return _reduced(losses, reduction, dtype, x, ref, finite)
 

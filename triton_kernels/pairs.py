@@ -152,12 +152,24 @@ def load_keys(labels_ptr, ids_ptr, index, ok):
 
 
 @triton.jit
-def pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
+              B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """(S, positive, negative) of the rows against the columns `cols` (valid where col_ok)."""
-    label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
-    s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    """(S, positive, negative) of the rows against the columns `cols` (valid where col_ok). B_SCALES:
+    the rows of b come as they are (a float16 memory bank, never normalised whole), and S of their
+    unit rows is a @ b^T times the reciprocals of their norms (b_scale_ptr), one multiply a pair.
+    (A division here would cost a Hopper program about 40 registers more.) The keys are loaded before
+    S, whose products hide their latency, but with B_SCALES after it: held across S beside the
+    scales, they took the negatives kernel past 255 registers on sm_100."""
+    if B_SCALES:
+        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                            PRECISION)
+        s = s * tl.load(b_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
+        label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
+    else:
+        label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
+        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                            PRECISION)
     positive, negative = pair_classes(label_i, id_i, label_j, id_j, col_ok)
     return s, positive, negative
 
@@ -194,16 +206,16 @@ def _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, e
 
 
 @triton.jit
-def positive_range_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr,
-                        rows, row_ok, label_i, id_i, start, end, num_x, dim, SEGMENTED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def positive_range_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr,
+                        column_shift_ptr, rows, row_ok, label_i, id_i, start, end, num_x, dim,
+                        SEGMENTED: tl.constexpr, REF_SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """(S, positive, negative) of the rows against slots start .. start + BLOCK_N (before `end`) of
-    their block's positive list."""
+    their block's positive list (REF_SCALES: see pair_tile's B_SCALES)."""
     cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, end, num_x, BLOCK_M,
                                      BLOCK_N, SEGMENTED)
-    return pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
-                     BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    return pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, rows, row_ok, label_i, id_i, cols,
+                     col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
 
 
 @triton.jit

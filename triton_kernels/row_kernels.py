@@ -4,7 +4,8 @@
   in the rows' own dtype, the norm in float32) and its backward, one launch each way; the forward
   also flags rows that hold a NaN or an infinity, so that the loss turns NaN without reading them
   again.
-- `unlifted_rows_kernel`: the rows of x divided by their lifts, for the chunked backward's triangle.
+- `divided_rows_kernel`: rows divided by one number each: the triangle's rows of x by their lifts, a
+  memory bank's rows by their norms (its unit rows, a piece at a time: backward.bank_pieces).
 - `stored_rows_kernel`: CrossBatchMemory's store, rows with their labels and ids into the memory's
   slots, in one launch.
 - `label_order_kernel`: everything the self case's label order needs after torch sorts the labels
@@ -31,13 +32,15 @@ def _row_block(t_ptr, rows, k, num_rows, dim, stride, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUMS: tl.constexpr,
+def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUMS: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): ms_loss_cuda.common.unit_rows
     in one launch where torch's ops take four (the norm, its clamp and cast, the division). WIDE_SUMS (float32
     and bfloat16 rows): the squares summed in float64, as there (float32's overflow from 1.8e19 on).
     finite: 0 for a row of finite values, NaN for one with a NaN or an infinity (the sum of t * 0),
-    which the eager loss adds to its result instead of reading t again."""
+    which the eager loss adds to its result instead of reading t again. ROWS False: no rows, y holds the
+    norms' reciprocals ([num_rows] float32: a memory bank whose tiles the kernels scale by them,
+    pairs.pair_tile)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     squares = tl.zeros((BLOCK_R,), tl.float32)
     finite = tl.zeros((BLOCK_R,), tl.float32)
@@ -56,23 +59,27 @@ def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUM
     norm = tl.maximum(norm, 1e-12)
     tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
     tl.store(finite_ptr + rows, finite, mask=rows < num_rows)
-    for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
-        t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
-        tl.store(y_ptr + at, tl.div_rn(t, norm[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+    if ROWS:
+        for k in range(0, dim, BLOCK_D):  # (the block's rows again, from L1/L2)
+            t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+            tl.store(y_ptr + at, tl.div_rn(t, norm[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(y_ptr + rows, tl.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), norm), mask=rows < num_rows)
 
 
 @triton.jit
-def unlifted_rows_kernel(t_ptr, lift_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """y = t / lift row by row, in t's dtype: the triangle's rows of x for both of its products (see
-    backward_plan), in one pass where torch's division of 16-bit rows by float32 lifts takes several.
-    The lifts are powers of 2 up to backward_plan.TRIANGLE_LIFT, so that is exact but where float16
-    values fall below its normal range (|x| < 2^-7 at 2^7): unit rows hardly lose anything, rows of
-    small norm do (bench/triangle_precision.py, bench/results/cpu/triangle-precision.txt)."""
+def divided_rows_kernel(t_ptr, divisor_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y = t / divisor row by row, in t's dtype, in one pass where torch's division of 16-bit rows by
+    float32 numbers takes several. Divided by their norms, a bank's rows are unit_rows_kernel's, bit
+    for bit. The triangle's rows of x for both of its products (see backward_plan) are divided by
+    their lifts, powers of 2 up to backward_plan.TRIANGLE_LIFT: exact, but where float16 values fall
+    below its normal range (|x| < 2^-7 at 2^7): unit rows hardly lose anything, rows of small norm do
+    (bench/triangle_precision.py, bench/results/cpu/triangle-precision.txt)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    lift = tl.load(lift_ptr + rows, mask=rows < num_rows, other=1.0)
+    divisor = tl.load(divisor_ptr + rows, mask=rows < num_rows, other=1.0)
     for k in range(0, dim, BLOCK_D):
         t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
-        tl.store(y_ptr + at, tl.div_rn(t, lift[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + at, tl.div_rn(t, divisor[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -203,9 +210,19 @@ def unit_rows_plan(t):
     """(y, the clamped norms, finite, launches): rows of a contiguous `t` scaled to unit L2 norm; finite
     (float32) 0 for each row of finite values, NaN for each other one."""
     y, norm, finite = torch.empty_like(t), *t.new_empty((2, t.shape[0]), dtype=torch.float32)
-    return y, norm, finite, [rows_launch(unit_rows_kernel, t.shape,
-                                         dict(WIDE_SUMS=squares_dtype(t.dtype) == torch.float64),
-                                         t_ptr=t, y_ptr=y, norm_ptr=norm, finite_ptr=finite)]
+    return y, norm, finite, [_unit_rows_launch(t, y, norm, finite, True)]
+
+
+def row_norms_plan(t):
+    """(norms, finite, launches): unit_rows_plan's clamped norms of a contiguous `t`, without its rows:
+    norms [2, rows] float32 holds them and their reciprocals; finite as there."""
+    norms = t.new_empty((3, t.shape[0]), dtype=torch.float32)  # (one allocation: the norms, reciprocals, flags)
+    return norms[:2], norms[2], [_unit_rows_launch(t, norms[1], norms[0], norms[2], False)]
+
+
+def _unit_rows_launch(t, y, norm, finite, rows):
+    return rows_launch(unit_rows_kernel, t.shape, dict(WIDE_SUMS=squares_dtype(t.dtype) == torch.float64, ROWS=rows),
+                       t_ptr=t, y_ptr=y, norm_ptr=norm, finite_ptr=finite)
 
 
 def unit_rows_grad_plan(grad, y, norm, order=None, dtype=None):
