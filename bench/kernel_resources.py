@@ -33,7 +33,7 @@ def resources(launch, cc):
     sig, attrs = triton_aot.signature(launch)
     compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
                               target=GPUTarget("cuda", cc, 32),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                              options=launch.options)
     ptxas = get_ptxas(cc).path
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")

@@ -206,10 +206,12 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
 @pytest.mark.parametrize("batch,ref_rows,mib", [(1024, 262144, 256), (1024, 1048576, 64), (256, 65536, 16)])
 def test_a_bank_compared_through_its_norms_makes_one_chunk_of_unit_rows_at_a_time(monkeypatch, batch, ref_rows,
                                                                                   mib):
-    """A float16 bank as it is, with its norms (ref_norms): the forward's tiles scale S, and each chunk of
-    the chunked backward makes its own unit rows (one row launch of the chunk's rows), into one buffer
-    that shares the budget with the weights: still S once and one product (3 GEMM-equivalents), and
-    every weights launch fills an H100 twice over."""
+    """A float16 bank as it is, with its norms (ref_norms): the forward's and the weights kernel's tiles
+    scale S (the weights kernel within the registers that let two of its programs share a
+    multiprocessor), and each chunk of the chunked backward makes its own unit rows for its product
+    (one row launch of the chunk's rows), into one buffer that shares the budget with the weights:
+    still S once and one product (3 GEMM-equivalents), and every weights launch fills an H100 twice
+    over."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", str(mib))
     x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.arange(batch) // 4
     ref, ref_labels = torch.zeros(ref_rows, 512, dtype=torch.float16), torch.arange(ref_rows) // 4
@@ -225,7 +227,8 @@ def test_a_bank_compared_through_its_norms_makes_one_chunk_of_unit_rows_at_a_tim
     weights = [step for step in backward if isinstance(step, Launch) and step.kernel.fn.__name__ == "weights_kernel"]
     units = [step for step in backward if isinstance(step, Launch) and step.kernel.fn.__name__ == "divided_rows_kernel"]
     assert len(weights) == len(units) >= 2
-    assert len({launch.args["b_ptr"].data_ptr() for launch in weights}) == 1  # (one buffer of unit rows)
+    assert all(launch.constexprs["B_SCALES"] and launch.max_registers == 128 for launch in weights)
+    assert len({launch.args["y_ptr"].data_ptr() for launch in units}) == 1  # (one buffer of unit rows)
     assert weights[0].args["w_ptr"].untyped_storage().nbytes() + units[0].args["y_ptr"].untyped_storage().nbytes() \
         <= mib * MIB
     assert sum(launch.args["y_ptr"].shape[0] for launch in units) == ref_rows

@@ -46,8 +46,7 @@ def main():
         known = launcher._compiled_kernels.get(launch._key())
         if known is None:  # (its first launch: Triton's path made the entry)
             return
-        picked = launch.kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
-                                            num_stages=launch.num_stages)
+        picked = launch.kernel[launch.grid](**launch.args, **launch.constexprs, **launch.options)
         assert known[0] is picked, f"{launch.kernel.fn.__name__}: the direct launch's kernel is not Triton's"
         launches.append(launch)
         kernels.add(launch.kernel.fn.__name__)

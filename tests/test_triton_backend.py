@@ -132,8 +132,7 @@ def test_a_float16_bank_is_compared_through_its_norms(monkeypatch, chunk_mib, dt
     compared = []
     shipped = triton_kernels.forward.forward_plan
     monkeypatch.setattr(triton_kernels.forward, "forward_plan",
-                        lambda *args, **kwargs: (compared.append(kwargs.get("ref_norms") is not None),
-                                                 shipped(*args, **kwargs))[1])
+                        lambda *args, **kwargs: (compared.append(kwargs.get("ref_norms")), shipped(*args, **kwargs))[1])
     kwargs = build_case("ref_own_copy", 61, 40, torch.float64, seed=3)
     norms = 10.0 ** torch.linspace(-3, 3, kwargs["ref_embeddings"].shape[0], dtype=torch.float64)
     bank = F.normalize(kwargs["ref_embeddings"], dim=1) * norms[torch.randperm(norms.shape[0])][:, None]
@@ -141,9 +140,36 @@ def test_a_float16_bank_is_compared_through_its_norms(monkeypatch, chunk_mib, dt
     for reduction in REDUCTIONS:
         compared.clear()
         check_against_reference("triton", kwargs, dtype, reduction, DEVICE, ref_grad=ref_grad)
-        assert compared == [through_norms]
+        assert [norms is not None for norms in compared] == [through_norms]
+        # (94 rows: the norms' and reciprocals' rows still start 16-byte aligned, as the kernels are compiled)
+        assert not through_norms or all(row.data_ptr() % 16 == 0 for row in compared[0])
     kwargs["ref_embeddings"][7, 2] = float("inf")
     assert torch.isnan(multi_similarity_loss(**to(kwargs, DEVICE), backend="triton"))
+
+
+@pytest.mark.skipif(**TRITON_MISSING)
+@pytest.mark.parametrize("chunk_mib", ["0", "1e-6"])
+def test_a_pair_the_backward_puts_across_a_threshold_gets_no_weight(monkeypatch, chunk_mib):
+    """The backward recomputes S, which may differ from the forward's in the last bits (another order of
+    sums). An anchor whose mined sets are empty in the forward, with a negative that crosses the
+    threshold in the backward, must still get no weight there (its weights' lift is the largest,
+    2^64): a gradient of 0, not inf. The ops are given a negative moved by about 1e-3 in between."""
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
+    gen = torch.Generator().manual_seed(0)
+    a, other = F.normalize(torch.randn(2, 64, generator=gen, dtype=torch.float64), dim=1)
+    other = F.normalize(other - (other @ a) * a, dim=0)
+    positive, negative = 0.7 * a + 0.51 ** 0.5 * other, 0.55 * a - (1 - 0.55 ** 2) ** 0.5 * other
+    moved = negative + 1e-3 * a  # (S + 1e-3)
+    rows = [t.half().to(DEVICE) for t in (a[None], torch.stack([positive, negative]), torch.stack([positive, moved]))]
+    s_positive, s_forward, s_backward = (float(rows[0].double() @ r.double()) for r in (rows[1][0], rows[1][1],
+                                                                                      rows[2][1]))
+    epsilon = s_positive - (s_forward + s_backward) / 2  # (S_forward + epsilon < minpos < S_backward + epsilon)
+    labels, ref_labels = torch.tensor([0], device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    hyper = (2.0, 50.0, 0.5, epsilon, True, False)
+    loss, stats = torch.ops.ms_loss_cuda.triton_forward(rows[0], labels, None, rows[1], ref_labels, None, *hyper)
+    grad_x, _ = torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), stats, rows[0], labels, None, rows[2],
+                                                       ref_labels, None, *hyper, False)
+    assert loss.item() == 0 and torch.equal(grad_x, torch.zeros_like(grad_x))
 
 
 @pytest.mark.skipif(**TRITON_MISSING)

@@ -49,9 +49,11 @@ def test_every_kernel_compiles_for_both_targets(records):
                                                              (True, "[range_tiles]"))}
     # the fused backward takes the self case in label order, with and without the caller's identities
     kernels |= {f"grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}
-    # a float16 bank compared through its norms: the forward's kernels (the backward's read unit rows)
+    # a float16 bank compared through its norms: every kernel that computes its S
     bank = {"minpos_kernel[ref_scales]", "negatives_kernel[check_ids=False][skip_range=False][ref_scales]",
-            "finish_kernel[skip_range=False][ref_scales]"}
+            "finish_kernel[skip_range=False][ref_scales]",
+            "weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False][ref_scales]",
+            "grad_kernel[rows=True,cols=False][check_ids=False][ref_scales]"}
     # the normalisation (no float32-tf32 variant)
     rows = {"unit_rows_kernel", "unit_rows_kernel[norms]", "unit_rows_grad_kernel", "stored_rows_kernel"}
     rows |= {f"unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}

@@ -136,8 +136,8 @@ def group_launches(dtype_name, dim, mining, skip, cc):
 def compile_key(launch, cc):
     """What triton.compile sees of a launch: launches with equal keys compile to the same binary."""
     sig, attrs = signature(launch)
-    return json.dumps([launch.kernel.fn.__name__, sig, sorted(map(str, attrs)), launch.constexprs, launch.num_warps,
-                       launch.num_stages, cc], sort_keys=True, default=str)
+    return json.dumps([launch.kernel.fn.__name__, sig, sorted(map(str, attrs)), launch.constexprs, launch.options,
+                       cc], sort_keys=True, default=str)
 
 
 def compile_facts(job):
@@ -147,7 +147,7 @@ def compile_facts(job):
     sig, attrs = signature(launch)
     compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
                               target=GPUTarget("cuda", cc, 32),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                              options=launch.options)
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -156,7 +156,7 @@ def compile_facts(job):
         log = subprocess.run([get_ptxas(cc).path, "-v", f"-arch={TARGETS[cc]}", path, "-o", path + ".cubin"],
                              capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
-    return dict(config=dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages),
+    return dict(config=dict(launch.constexprs, **launch.options),
                 wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx, tcgen05="tcgen05.mma" in ptx,
                 tf32=".tf32" in ptx, tf32x3="cvt.rna.tf32" in ptx,  # (the operands split into TF32 high and low parts)
                 shared=compiled.metadata.shared,

@@ -113,6 +113,8 @@ def _padded(columns):
 # the chunked backward's programs per row block for its positive range: the tiles of a P x M batch's
 # range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
 RANGE_PROGRAMS = 4
+# half a multiprocessor's 64K registers: a program's share where two must fit on one
+TWO_PROGRAMS_REGISTERS = 65536 // 2
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
 # the most each end of a weight is lifted in the chunked triangle (a weight then stays <= 2^8; the
 # rows of x are divided by it, and a larger one would push more of them below float16's normals)
@@ -143,8 +145,10 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     `forward_plan_keeping_rows`), else gathered here. `reorder` False: the self case's chunked dx is
     left in label order, its last step a `Reorder` without an output (B x D float32 values fewer),
     which gives the caller the order. `ref_norms`: float16 rows of a reference set that takes no
-    gradient, as they are, compared as unit rows (operands.check_ref_norms): the chunked backward makes
-    its unit rows a chunk at a time (`_chunked_plan`), the fused one whole."""
+    gradient, as they are, compared as unit rows (operands.check_ref_norms): S as the forward computes
+    it (the rows times the reciprocals of their norms, B_SCALES), so that both mine the same pairs, and
+    the products take its unit rows, which the chunked backward makes a chunk at a time
+    (`_chunked_plan`), the fused one whole."""
     check_dtypes(x, ref)
     check_beta(beta)
     check_ref_norms(x, ref, ref_norms)
@@ -215,9 +219,10 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                   epsilon=epsilon)
     if chunk_bytes:
         weights_args = dict(shared, a_ptr=a, b_ptr=b, a_labels_ptr=a_labels, a_ids_ptr=a_ids, b_labels_ptr=b_labels,
-                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift, **label_order)
+                            b_ids_ptr=b_ids, copy_scale_ptr=column_lift, **label_order,
+                            b_scale_ptr=norm if ref_norms is None else ref_norms[1])  # (read with B_SCALES only)
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
-                     BOTH_LIFTS=triangle, COPY=copy, **label_order_flags)
+                     BOTH_LIFTS=triangle, COPY=copy, B_SCALES=ref_norms is not None, **label_order_flags)
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
                                                 anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim),
                                                 ref_norms)
@@ -229,28 +234,31 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     multiprocessors = multiprocessors or launcher.device_multiprocessors(x.device, interpret)
     config.update(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, **label_order_flags)
 
-    def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors):
+    def grad_launch(rows, rows_keys, cols, cols_keys, a_anchors, b_anchors, product_rows=None, scales=None):
         row_programs = cdiv(rows.shape[0], config["BLOCK_M"])
         splits, cols_per_split = column_splits(row_programs * grid_d, cols.shape[0], config["BLOCK_N"],
                                                multiprocessors)
         out = torch.empty_like(rows, dtype=torch.float32 if float32 else None) if splits == 1 else \
             rows.new_empty((splits, *rows.shape), dtype=torch.float32)
-        args = dict(a_ptr=rows, b_ptr=cols, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
+        args = dict(a_ptr=rows, b_ptr=cols, product_ptr=cols if product_rows is None else product_rows,
+                    b_scale_ptr=norm if scales is None else scales, a_labels_ptr=rows_keys[0], a_ids_ptr=rows_keys[1],
                     b_labels_ptr=cols_keys[0], b_ids_ptr=cols_keys[1], out_ptr=out, norm_ptr=norm,
                     row_scale_ptr=anchor_scale if a_anchors else column_lift,  # (a reference set's rows: one lift)
                     num_a=rows.shape[0], num_b=cols.shape[0], cols_per_split=cols_per_split,
                     out_rows_ptr=norm if order is None else order, **label_order, **shared)
         return out, Launch(grad_kernel, (row_programs, grid_d, splits), args,
-                           dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors), warps, stages)
+                           dict(config, A_ANCHORS=a_anchors, B_ANCHORS=b_anchors, B_SCALES=scales is not None), warps,
+                           stages)
 
     if ref is None:  # row block I builds G_IJ + G_JI^T itself
         grad_x, launch = grad_launch(a, (a_labels, a_ids), a, (a_labels, a_ids), True, True)
         return grad_x, x.new_empty((0,)), [scales, launch]
-    steps = [scales]
-    if ref_norms is not None:  # the bank's unit rows, whole: the fused form's tiles take them as they are
-        rows, b = b, torch.empty_like(b)
-        steps.append(rows_launch(divided_rows_kernel, b.shape, {}, t_ptr=rows, divisor_ptr=ref_norms[0], y_ptr=b))
-    grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False)
+    steps, unit = [scales], None
+    if ref_norms is not None:  # the bank's unit rows, whole, for the products (its S as the forward's)
+        unit = torch.empty_like(b)
+        steps.append(rows_launch(divided_rows_kernel, b.shape, {}, t_ptr=b, divisor_ptr=ref_norms[0], y_ptr=unit))
+    grad_x, launch_x = grad_launch(a, (a_labels, a_ids), b, (b_labels, b_ids), True, False, unit,
+                                   None if ref_norms is None else ref_norms[1])
     if not ref_grad:  # a memory bank: no gradient for it, and no launch
         return grad_x, x.new_empty((0,)), steps + [launch_x]
     grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
@@ -293,10 +301,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both. A memory bank
-    compared through its norms (ref_norms, no gradient): each chunk's unit rows are made from its rows
-    (divided_rows_kernel, one buffer within the budget beside the weights), and the chunk is a
-    reference set of its own to the weights kernel and the product (its columns from 0, its keys'
-    views): the bank's unit rows never exist whole (R x D, 256 MiB for 262,144 float16 rows of 512).
+    compared through its norms (ref_norms, no gradient): the weights kernel scales S as the forward
+    does (B_SCALES), and each chunk's product takes the chunk's unit rows, made just before it
+    (divided_rows_kernel) into one buffer within the budget beside the weights: the bank's unit rows
+    never exist whole (R x D, 256 MiB for 262,144 float16 rows of 512).
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = launcher.split_config(tiles)
     (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
@@ -322,15 +330,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         grid = (cdiv(cols, tiles["BLOCK_N"]), cdiv(rows, tiles["BLOCK_M"]))
         args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
-        columns = b[col_begin:col_end]
-        if unit is not None:  # the chunk's unit rows, a reference set of their own
-            columns = unit[:cols]
-            steps.append(rows_launch(divided_rows_kernel, columns.shape, {}, t_ptr=b[col_begin:col_end],
-                                     divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns))
-            args.update(b_ptr=columns, b_labels_ptr=weights_args["b_labels_ptr"][col_begin:col_end],
-                        b_ids_ptr=weights_args["b_ids_ptr"][col_begin:col_end], col_begin=0, col_end=cols)
+        # (identities: the range launch's; with a bank's scales, the registers capped where two programs share a
+        # multiprocessor, which a Hopper program fits without spilling)
         steps.append(Launch(weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
-                            stages))  # (identities: the range launch's)
+                            stages, TWO_PROGRAMS_REGISTERS // (32 * warps) if tiles["B_SCALES"] else None))
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = launcher.split_config(range_tiles)
             steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,
@@ -344,6 +347,11 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
                 steps.append(Product(w[:, begin - col_begin:end - col_begin].T, a_unlifted[row_begin:row_end],
                                      grad_x[begin:end], unlift[begin:end], accumulate=chunk > 0))
             continue
+        columns = b[col_begin:col_end]
+        if unit is not None:  # the chunk's unit rows, made for its product
+            columns = unit[:cols]
+            steps.append(rows_launch(divided_rows_kernel, columns.shape, {}, t_ptr=b[col_begin:col_end],
+                                     divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns))
         steps.append(Product(w[:, :cols], columns, grad_x[row_begin:row_end], unlift[row_begin:row_end],
                              accumulate=col_begin > 0))
         if copy:

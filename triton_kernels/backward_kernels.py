@@ -71,11 +71,12 @@ def scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, scal
 
 
 @triton.jit
-def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
+def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, product_ptr,
                 stats_ptr, scale_ptr, norm_ptr, row_scale_ptr, range_ptr, shared_ids_ptr, out_rows_ptr, out_ptr,
                 num_a, num_b, num_anchors, dim, cols_per_split, alpha, beta, base, epsilon,
                 MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
                 A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
+                B_SCALES: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                 EARLY_COLUMN_TERMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
@@ -88,7 +89,8 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
     the row block's positive range (range_ptr) holds negatives only, and takes its weights without
     labels (`negative_weights`), unless identities the caller gave are shared by rows of different
     labels (CHECK_IDS: the flag at shared_ids_ptr, `shared_identities`), where every tile classifies
-    its pairs; row r of the result goes to row out_rows[r] of out, the caller's order."""
+    its pairs; row r of the result goes to row out_rows[r] of out, the caller's order. The product takes
+    the rows at product_ptr: b's, or with B_SCALES (see pairs.pair_tile) the bank's unit rows."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_a
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -118,9 +120,9 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                 PRECISION)
             label_free = ((start + BLOCK_N <= range_begin) | (start >= range_end)) & distinct_ids
-        else:  # (a reference set: the classes' keys loaded before S, as the measured kernel did; unit rows)
-            s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_labels_ptr, rows, row_ok,
-                                              label_i, id_i, cols, col_ok, dim, False, BLOCK_M, BLOCK_N, BLOCK_K,
+        else:  # (a reference set: the classes' keys loaded before S, as the measured kernel did)
+            s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok,
+                                              label_i, id_i, cols, col_ok, dim, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
                                               UPCAST, PRECISION)
         if B_ANCHORS and not EARLY_COLUMN_TERMS:
             minpos_j, maxneg_j, lp_j, ln_j, scale_j = anchor_terms(
@@ -146,7 +148,7 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
             if B_ANCHORS:  # classes are symmetric; the column anchors' own stats decide their sets
                 h += scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
                                     ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
-        b = tl.load(b_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
+        b = tl.load(product_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
         if UPCAST:
             b = b.to(tl.float32)
@@ -162,11 +164,11 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr,
 
 
 @triton.jit
-def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr, row_scale_ptr,
-                  w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok, row_begin, cols, col_ok,
+def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr, scale_ptr,
+                  row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok, row_begin, cols, col_ok,
                   col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr,
                   SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr,
-                  LABEL_FREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LABEL_FREE: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """weights_kernel's work on one tile: H of the rows against the columns, lifted, stored."""
     if LABEL_FREE:
@@ -174,8 +176,9 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                             PRECISION)
     else:
         label_i, id_i = load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
-        s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_labels_ptr, rows, row_ok, label_i,
-                                          id_i, cols, col_ok, dim, False, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, label_i,
+                                          id_i, cols, col_ok, dim, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                          PRECISION)
     minpos_i, maxneg_i, lp_i, ln_i, scale_i = anchor_terms(
         stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
     if B_ANCHORS:
@@ -205,13 +208,13 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
 
 
 @triton.jit
-def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
+def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr, scale_ptr,
                    row_scale_ptr, range_ptr, shared_ids_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin,
                    row_end, col_begin, col_end, num_anchors, dim, alpha, beta, base, epsilon,
                    MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr,
                    BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
-                   RANGE_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   RANGE_TILES: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in grad_kernel; the rows of a are anchors, and so are
     b's when B_ANCHORS), lifted, written in the input dtype to w[rows - row_begin, cols - col_begin] for
     cuBLAS products (`Product`), the columns up to the buffer's padded row length w_stride. The lift: each
@@ -236,16 +239,16 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                 range_begin, range_end = col_begin, col_end
         for start in range(range_begin + tl.program_id(0) * BLOCK_N, range_end, tl.num_programs(0) * BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
-                          row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
+            _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
+                          scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
-                          MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, BLOCK_M, BLOCK_N,
+                          MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, B_SCALES, BLOCK_M, BLOCK_N,
                           BLOCK_K, UPCAST, PRECISION)
     else:
         cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, stats_ptr, scale_ptr,
-                      row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
+        _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
+                      scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                       row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
-                      MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, BLOCK_M, BLOCK_N,
+                      MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M, BLOCK_N,
                       BLOCK_K, UPCAST, PRECISION)
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .pairs import (anchor_counts, column_range, load_keys, mined_negatives, ordered_rows, pair_tile,
-                    positive_range_tile, shifts, similarity_tile)
+                    positive_range_tile, set_flags, shifts, similarity_tile)
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     """The splits combined in their order (maxneg, LN), with the positive range's own negatives where
     the negatives kernel skipped it (SKIP_RANGE: their maxneg from minpos_kernel, their sum here);
     then the positive sum over the positive range (the positives' mining needs the final maxneg);
-    stats [4, B] = (minpos, maxneg, LP, LN), loss."""
+    stats [4, B] = (minpos, maxneg, LP, LN; +inf for an empty mined set), loss."""
     rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
     label_i, id_i = load_keys(labels_ptr, ids_ptr, rows, row_ok)
     maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -162,6 +162,10 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     tl.store(loss_ptr + rows, tl.where(counts, lp / alpha + ln / beta, 0.0), mask=row_ok)
     tl.store(stats_ptr + rows, minpos, mask=row_ok)
     tl.store(stats_ptr + num_x + rows, maxneg, mask=row_ok)
-    tl.store(stats_ptr + 2 * num_x + rows, lp, mask=row_ok)
-    tl.store(stats_ptr + 3 * num_x + rows, ln, mask=row_ok)
+    # an empty mined set's LP or LN is stored as +inf, so that its weights in the backward are 0 whatever
+    # its S: recomputed S may differ in the last bits (a bank's unit rows rounded there, not here), and a
+    # pair that crossed a threshold would otherwise get exp(beta (S - base)) times the largest lift
+    has_positive, has_negative = set_flags(minpos, maxneg, epsilon, MINING)
+    tl.store(stats_ptr + 2 * num_x + rows, tl.where(has_positive, lp, float("inf")), mask=row_ok)
+    tl.store(stats_ptr + 3 * num_x + rows, tl.where(has_negative, ln, float("inf")), mask=row_ok)
 

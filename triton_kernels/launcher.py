@@ -14,7 +14,7 @@ stand another table in for it); `chunk_budget` the chunked backward's buffer bud
 import contextlib
 import functools
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -24,20 +24,30 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Launch(NamedTuple):
-    """One kernel launch: tensors and scalars in `args`, specialisations in `constexprs`."""
+    """One kernel launch: tensors and scalars in `args`, specialisations in `constexprs`; `max_registers`
+    (PTX's .maxnreg) where a kernel must stay within what lets two of its programs share a
+    multiprocessor."""
     kernel: object
     grid: tuple
     args: dict
     constexprs: dict
     num_warps: int
     num_stages: int
+    max_registers: Optional[int] = None
+
+    @property
+    def options(self):
+        """The compile options of Triton's launch: warps, stages and, where set, the register cap."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def __call__(self):
         key = None if INTERPRETED else self._key()
         known = _compiled_kernels.get(key)
         if known is None or _launch_hooks_set() or self.kernel.pre_run_hooks:
-            compiled = self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps,
-                                              num_stages=self.num_stages)
+            compiled = self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
             if key is not None:
                 _compiled_kernels[key] = compiled, tuple(param.name for param in self.kernel.params)
             return
@@ -65,7 +75,8 @@ class Launch(NamedTuple):
             else:
                 return None
         return (id(self.kernel), triton.runtime.driver.active.get_current_device(), self.num_warps, self.num_stages,
-                tuple(self.args), tuple(spec), aligned, tuple(self.constexprs.items()), _compile_options(self.kernel))
+                self.max_registers, tuple(self.args), tuple(spec), aligned, tuple(self.constexprs.items()),
+                _compile_options(self.kernel))
 
 
 def _compile_options(kernel):

@@ -86,15 +86,16 @@ def check_dtypes(*tensors):
 
 def check_ref_norms(x, ref, ref_norms):
     """`ref_norms` (row_kernels.row_norms_plan's: the norms of a reference set's rows and their
-    reciprocals, [2, R] float32; the kernels then take the rows as they are and compare them as unit
-    rows) comes with float16 rows at both ends: a float16 row's norm and its similarity with a unit
-    row stay far inside float32's range, where a bfloat16 or float32 row's may pass it."""
+    reciprocals, [2, R] float32 of contiguous rows; the kernels then take the rows as they are and
+    compare them as unit rows) comes with float16 rows at both ends: a float16 row's norm and its
+    similarity with a unit row stay far inside float32's range, where a bfloat16 or float32 row's may
+    pass it."""
     if ref_norms is None:
         return
     if ref is None or x.dtype != torch.float16 or ref.dtype != torch.float16:
         raise ValueError("ref_norms takes float16 rows of x and of a reference set")
-    if ref_norms.dtype != torch.float32 or ref_norms.shape != (2, ref.shape[0]) or not ref_norms.is_contiguous():
-        raise ValueError(f"ref_norms must be contiguous float32 [2, {ref.shape[0]}], got {ref_norms.dtype} "
+    if ref_norms.dtype != torch.float32 or ref_norms.shape != (2, ref.shape[0]) or ref_norms.stride(1) != 1:
+        raise ValueError(f"ref_norms must be float32 [2, {ref.shape[0]}] of contiguous rows, got {ref_norms.dtype} "
                          f"{tuple(ref_norms.shape)}")
 
 

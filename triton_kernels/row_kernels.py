@@ -215,8 +215,11 @@ def unit_rows_plan(t):
 
 def row_norms_plan(t):
     """(norms, finite, launches): unit_rows_plan's clamped norms of a contiguous `t`, without its rows:
-    norms [2, rows] float32 holds them and their reciprocals; finite as there."""
-    norms = t.new_empty((3, t.shape[0]), dtype=torch.float32)  # (one allocation: the norms, reciprocals, flags)
+    norms [2, rows] float32 (contiguous rows) holds them and their reciprocals; finite as there."""
+    rows = t.shape[0]
+    # one allocation: the norms, reciprocals and flags, each row 16-byte aligned (the kernels that read
+    # them are compiled for aligned pointers)
+    norms = t.new_empty((3, cdiv(rows, 4) * 4), dtype=torch.float32)[:, :rows]
     return norms[:2], norms[2], [_unit_rows_launch(t, norms[1], norms[0], norms[2], False)]
 
 
