@@ -76,10 +76,12 @@ def main():
             if tiles:
                 block_m, block_n, block_k, warps, stages = tiles
                 launch = launch._replace(constexprs=dict(launch.constexprs, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                         BLOCK_K=block_k), num_warps=warps, num_stages=stages)
+                                                         BLOCK_K=block_k), num_warps=warps, num_stages=stages,
+                                         max_registers=None)  # (the shipped cap is for the shipped warps)
             c = launch.constexprs
             shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {launch.num_warps} warps, "
-                     f"{launch.num_stages} stages")
+                     f"{launch.num_stages} stages" + (f", {launch.max_registers} at most" if launch.max_registers
+                                                      else ""))
             registers, spills, instructions, wgmma = resources(launch, args.cc)
             print(f"{name:95s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS"
                   f" {wgmma:4d} wgmma", flush=True)

@@ -146,7 +146,8 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     left in label order, its last step a `Reorder` without an output (B x D float32 values fewer),
     which gives the caller the order. `ref_norms`: float16 rows of a reference set that takes no
     gradient, as they are, compared as unit rows (operands.check_ref_norms): S as the forward computes
-    it (the rows times the reciprocals of their norms, B_SCALES), so that both mine the same pairs, and
+    it (the rows times the reciprocals of their norms, B_SCALES), so that both mine the same pairs up to
+    the last bits of S, and
     the products take its unit rows, which the chunked backward makes a chunk at a time
     (`_chunked_plan`), the fused one whole."""
     check_dtypes(x, ref)
@@ -331,9 +332,9 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
         # (identities: the range launch's; with a bank's scales, the registers capped where two programs share a
-        # multiprocessor, which a Hopper program fits without spilling)
+        # multiprocessor, which a Hopper program fits without spilling; 255 is PTX's most)
         steps.append(Launch(weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
-                            stages, TWO_PROGRAMS_REGISTERS // (32 * warps) if tiles["B_SCALES"] else None))
+                            stages, min(TWO_PROGRAMS_REGISTERS // (32 * warps), 255) if tiles["B_SCALES"] else None))
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = launcher.split_config(range_tiles)
             steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,

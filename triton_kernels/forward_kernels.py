@@ -163,8 +163,8 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     tl.store(stats_ptr + rows, minpos, mask=row_ok)
     tl.store(stats_ptr + num_x + rows, maxneg, mask=row_ok)
     # an empty mined set's LP or LN is stored as +inf, so that its weights in the backward are 0 whatever
-    # its S: recomputed S may differ in the last bits (a bank's unit rows rounded there, not here), and a
-    # pair that crossed a threshold would otherwise get exp(beta (S - base)) times the largest lift
+    # its S: the backward's tiles sum S in another order, and a pair that crossed a threshold in the last
+    # bits would otherwise get exp(beta (S - base)) times the largest lift
     has_positive, has_negative = set_flags(minpos, maxneg, epsilon, MINING)
     tl.store(stats_ptr + 2 * num_x + rows, tl.where(has_positive, lp, float("inf")), mask=row_ok)
     tl.store(stats_ptr + 3 * num_x + rows, tl.where(has_negative, ln, float("inf")), mask=row_ok)
