@@ -146,10 +146,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     left in label order, its last step a `Reorder` without an output (B x D float32 values fewer),
     which gives the caller the order. `ref_norms`: float16 rows of a reference set that takes no
     gradient, as they are, compared as unit rows (operands.check_ref_norms): S as the forward computes
-    it (the rows times the reciprocals of their norms, B_SCALES), so that both mine the same pairs up to
-    the last bits of S, and
-    the products take its unit rows, which the chunked backward makes a chunk at a time
-    (`_chunked_plan`), the fused one whole."""
+    it (the rows times the reciprocals of their norms, B_SCALES), so that both mine the same pairs up
+    to the last bits of S, and the products take its unit rows, which the chunked backward makes a
+    chunk at a time (`_chunked_plan`), the fused one whole."""
     check_dtypes(x, ref)
     check_beta(beta)
     check_ref_norms(x, ref, ref_norms)

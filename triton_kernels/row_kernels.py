@@ -5,7 +5,7 @@
   also flags rows that hold a NaN or an infinity, so that the loss turns NaN without reading them
   again.
 - `divided_rows_kernel`: rows divided by one number each: the triangle's rows of x by their lifts, a
-  memory bank's rows by their norms (its unit rows, a piece at a time: backward.bank_pieces).
+  memory bank's rows by their norms (its unit rows for the backward's products).
 - `stored_rows_kernel`: CrossBatchMemory's store, rows with their labels and ids into the memory's
   slots, in one launch.
 - `label_order_kernel`: everything the self case's label order needs after torch sorts the labels
