@@ -135,7 +135,8 @@ def test_a_float16_bank_is_compared_through_its_norms(monkeypatch, chunk_mib, dt
                         lambda *args, **kwargs: (compared.append(kwargs.get("ref_norms")), shipped(*args, **kwargs))[1])
     kwargs = build_case("ref_own_copy", 61, 40, torch.float64, seed=3)
     norms = 10.0 ** torch.linspace(-3, 3, kwargs["ref_embeddings"].shape[0], dtype=torch.float64)
-    bank = F.normalize(kwargs["ref_embeddings"], dim=1) * norms[torch.randperm(norms.shape[0])][:, None]
+    order = torch.randperm(norms.shape[0], generator=torch.Generator().manual_seed(3))
+    bank = F.normalize(kwargs["ref_embeddings"], dim=1) * norms[order][:, None]
     kwargs = dict(kwargs, embeddings=kwargs["embeddings"].to(dtype), ref_embeddings=bank.to(dtype))
     for reduction in REDUCTIONS:
         compared.clear()
@@ -499,9 +500,9 @@ def test_an_eager_triton_step_issues_few_torch_ops(monkeypatch, case, rows, most
     backward; the chunked one, a GPU's default, issues its cuBLAS products and buffers besides)
     issues the loss's 5 kernel launches (6 in the self case: its label order), `rows` of the row
     kernels (the batch's normalisation forward and backward; the bank's norms, and its unit rows for
-    the fused backward's product) and at most
-    `most` other torch ops (the gradient's scaling by grad_output among them). The kernels are stubbed out, but
-    for label_order_kernel, whose order the backward's plan reads."""
+    the fused backward's product) and at most `most` other torch ops (the gradient's scaling by
+    grad_output among them). The kernels are stubbed out, but for label_order_kernel, whose order the
+    backward's plan reads."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0")
     launched = []
     launch = launcher.Launch.__call__
