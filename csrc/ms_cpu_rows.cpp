@@ -121,8 +121,8 @@ MS_CPU_CLONES void forward_row(T* s, int64_t label, int64_t id, RefKeys ref, Par
   }
   stats[0] = minpos;
   stats[stride] = maxneg;
-  stats[2 * stride] = lp;
-  stats[3 * stride] = ln;
+  stats[2 * stride] = ms_loss::saved_lp(lp, minpos, maxneg, p);  // (+inf for an empty set: ms_math.h)
+  stats[3 * stride] = ms_loss::saved_ln(ln, minpos, maxneg, p);
   *loss = ms_loss::anchor_loss(lp, ln, minpos, maxneg, p);
 }
 

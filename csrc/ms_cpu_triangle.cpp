@@ -108,6 +108,10 @@ int64_t symmetric_forward(const Inputs& in, Params<T> p, T* s /* Triangle */, T*
     ln[i] = ms_loss::log1p_sum_exp(shifted[3 * B + i], ln[i]);
     loss[i] = ms_loss::anchor_loss(lp[i], ln[i], minpos[i], maxneg[i], p);
     counts[i] = ms_loss::anchor_counts(minpos[i], maxneg[i], p) ? T(1) : T(0);
+    // (+inf for an empty set, as every forward saves it: ms_math.h; its weights below are then 0, as
+    // they are without it, no pair of this S being in the set)
+    lp[i] = ms_loss::saved_lp(lp[i], minpos[i], maxneg[i], p);
+    ln[i] = ms_loss::saved_ln(ln[i], minpos[i], maxneg[i], p);
   }
 
   std::vector<int64_t> nonzeros(strips, 0);

@@ -120,6 +120,18 @@ MS_HD T anchor_loss(T lp, T ln, T minpos, T maxneg, const Params<T>& p) {
   return anchor_counts(minpos, maxneg, p) ? lp / p.alpha + ln / p.beta : T(0);
 }
 
+// The LP and LN a forward saves for its backward: +inf for an empty mined set. A backward that
+// recomputes S sums it in another order and may see a pair cross a threshold that it did not cross
+// in the forward; exp(a - inf) = 0 then gives that pair no weight, as the forward gave it none.
+template <typename T>
+MS_HD T saved_lp(T lp, T minpos, T maxneg, const Params<T>& p) {
+  return has_positive_set(minpos, maxneg, p) ? lp : infinity<T>();
+}
+template <typename T>
+MS_HD T saved_ln(T ln, T minpos, T maxneg, const Params<T>& p) {
+  return has_negative_set(minpos, maxneg, p) ? ln : infinity<T>();
+}
+
 // ---- Gradient: dL_i/dS_ij is the pair weight (General Pair Weighting) -------------------------
 // Per-anchor statistics of one anchor, as saved by the forward.
 template <typename T>

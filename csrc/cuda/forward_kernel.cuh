@@ -82,11 +82,10 @@ forward_kernel(const T* __restrict__ x, const int64_t* __restrict__ labels, cons
     loss[row] = ms_loss::anchor_loss(lp, ln, minpos, maxneg, p);
     stats[row] = minpos;
     stats[num_x + row] = maxneg;
-    // an empty mined set's LP or LN is stored as +inf: the backward then gives its pairs no weight whatever
-    // their recomputed S (its tiles sum S in another order, and a pair that crossed a threshold there
-    // would get exp(beta (S - base)) times its row's largest lift)
-    stats[2 * num_x + row] = ms_loss::has_positive_set(minpos, maxneg, p) ? lp : ms_loss::infinity<float>();
-    stats[3 * num_x + row] = ms_loss::has_negative_set(minpos, maxneg, p) ? ln : ms_loss::infinity<float>();
+    // +inf for an empty mined set (ms_math.h): a pair whose recomputed S crosses a threshold in the
+    // backward would otherwise get exp(beta (S - base)) times its row's largest lift
+    stats[2 * num_x + row] = ms_loss::saved_lp(lp, minpos, maxneg, p);
+    stats[3 * num_x + row] = ms_loss::saved_ln(ln, minpos, maxneg, p);
   }
 }
 
