@@ -62,14 +62,12 @@ def check_keys(name, t, of_name, of):
 
 
 def check_hyper_parameters(alpha, beta, base, epsilon, reduction):
-    for name, value, ok, rule in (
-        ("alpha", alpha, lambda v: v > 0, "> 0"),
-        ("beta", beta, lambda v: v > 0, "> 0"),
-        ("epsilon", epsilon, lambda v: v >= 0, ">= 0"),
-        ("base", base, lambda v: True, "finite"),
-    ):
-        if not (math.isfinite(value) and ok(value)):
-            raise ValueError(f"{name} must be finite and {rule}, got {value}")
+    # (comparisons written out rather than a table of rules: this runs at every call)
+    for name, value, positive in (("alpha", alpha, True), ("beta", beta, True), ("epsilon", epsilon, False)):
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ValueError(f"{name} must be finite and {'>' if positive else '>='} 0, got {value}")
+    if not math.isfinite(base):
+        raise ValueError(f"base must be finite, got {base}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
@@ -97,12 +95,13 @@ def check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
         check_keys("ids", ids, "embeddings", embeddings)
     if ref_ids is not None:
         check_keys("ref_ids", ref_ids, "ref_embeddings", ref_embeddings)
-    named = (("embeddings", embeddings), ("labels", labels), ("ref_embeddings", ref_embeddings),
-             ("ref_labels", ref_labels), ("ids", ids), ("ref_ids", ref_ids))
     device = embeddings.device
-    if any(t is not None and t.device != device for _, t in named):
-        raise ValueError("all tensors must be on one device, got " +
-                         ", ".join(f"{name} on {t.device}" for name, t in named if t is not None))
+    for t in (labels, ref_embeddings, ref_labels, ids, ref_ids):  # (a loop: no generator's call at every step)
+        if t is not None and t.device != device:
+            named = (("embeddings", embeddings), ("labels", labels), ("ref_embeddings", ref_embeddings),
+                     ("ref_labels", ref_labels), ("ids", ids), ("ref_ids", ref_ids))
+            raise ValueError("all tensors must be on one device, got " +
+                             ", ".join(f"{name} on {t.device}" for name, t in named if t is not None))
 
 
 # ---- reduction and non-finite inputs ------------------------------------------------------------

@@ -77,7 +77,9 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
 def checked_options(options, reduction):
     """The hyper-parameters (a dict of every name of common.HYPER_PARAMETERS) as a backend takes them,
     the four numbers as floats, after checking them and `reduction`."""
-    options = dict(options, **{k: float(options[k]) for k in ("alpha", "beta", "base", "epsilon")})
+    options = dict(options)
+    for name in ("alpha", "beta", "base", "epsilon"):
+        options[name] = float(options[name])
     check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
     return options
 

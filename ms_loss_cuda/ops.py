@@ -95,9 +95,9 @@ def first_derivative_only(inputs, *grads):
     `_FirstDerivativeOnly` to the first of `inputs` that takes a gradient, so that differentiating
     them again raises (a fused backward's gradients: every fused backend, and triton's row kernels)."""
     if torch.is_grad_enabled():
-        embeddings = next((t for t in inputs if t is not None and t.requires_grad), None)
-        if embeddings is not None:
-            return _FirstDerivativeOnly.apply(embeddings, *grads)
+        for embeddings in inputs:
+            if embeddings is not None and embeddings.requires_grad:
+                return _FirstDerivativeOnly.apply(embeddings, *grads)
     return grads
 
 
@@ -119,7 +119,12 @@ class _FirstDerivativeOnly(torch.autograd.Function):
 def traced():
     """Whether the call is traced rather than run: by torch.compile or export, or under one of torch's
     tracing modes (fake tensors, make_fx proxies, functionalisation), which need the op and its fake."""
-    return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+    if torch.compiler.is_compiling():
+        return True
+    for key in _TRACING_MODES:  # (a loop: no generator's call at every step)
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return False
 
 
 _TRACING_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())

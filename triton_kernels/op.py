@@ -203,8 +203,10 @@ def _scaled(g, grad, dtype):
     """g (float32) times grad_output (the 0-d gradient of the 0-d loss: it takes g's float32), rounded
     once into `dtype`: one op, whose kernel casts as it stores (on a GPU; the CPU's goes through a
     float32 copy)."""
-    with torch.no_grad():
-        return torch.mul(g, grad, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    if torch.is_grad_enabled():  # (a backward under create_graph=True: an out= op takes no autograd)
+        with torch.no_grad():
+            return _scaled(g, grad, dtype)
+    return torch.mul(g, grad, out=torch.empty_like(g, dtype=dtype, memory_format=torch.contiguous_format))
 
 
 def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, memory_ids, hyper_parameters, normalize,
@@ -286,11 +288,12 @@ class _EagerLoss(torch.autograd.Function):
     lifts them). A forward whose gradient is never taken pays for it, as in Liger-Kernel's fused
     linear cross entropy. "none" takes its backward in the backward.
     Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating the
-    gradient again raises, as for every fused backend."""
+    gradient again raises, as for every fused backend. `config`: (hyper_parameters, normalize,
+    reduction, dtype, gradients_now), one argument (autograd's apply handles each argument on the host)."""
 
     @staticmethod
-    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype,
-                gradients_now):
+    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, config):
+        hyper_parameters, normalize, reduction, dtype, gradients_now = config
         ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
         inputs = (x, ref, labels, ids, ref_labels, ref_ids)
         if gradients_now:
@@ -311,11 +314,11 @@ class _EagerLoss(torch.autograd.Function):
     def backward(ctx, grad):
         x, ref, *saved = ctx.saved_tensors  # (once: under torch.utils.checkpoint each read unpacks them again)
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
-            da, db = (replay.use(lease, g, lambda g, t=t: _scaled(g, grad, t.dtype))
-                      for lease, g, t in zip(ctx.leases, saved, (x, ref)))
+            da = replay.use(ctx.leases[0], saved[0], lambda g: _scaled(g, grad, x.dtype))
+            db = replay.use(ctx.leases[1], saved[1], lambda g: _scaled(g, grad, ref.dtype))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             da, db = _gradients(saved, grad, ctx.hyper_parameters, ctx.reduction, ctx.needs_input_grad[:2])
-        return ops.first_derivative_only((x, ref), da, db) + (None,) * 9
+        return ops.first_derivative_only((x, ref), da, db) + (None,) * 5
 
 
 def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
@@ -323,8 +326,8 @@ def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, norma
     (backend.py)."""
     gradients_now = reduction != "none" and torch.is_grad_enabled() and (
         x.requires_grad or (ref is not None and ref.requires_grad))
-    return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids, tuple(hyper_parameters), normalize, reduction,
-                            dtype, gradients_now)
+    return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids,
+                            (tuple(hyper_parameters), normalize, reduction, dtype, gradients_now))
 
 
 # ---- registration ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -174,10 +174,6 @@ def capturable(device):
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _layout(t: Optional[torch.Tensor]):
-    return None if t is None else (tuple(t.shape), t.stride(), t.dtype)
-
-
 def signature(inputs, kept, options, device):
     """What a graph depends on: `options` (hashable), the device and its current stream (a graph's
     buffers serve one stream), what chooses the plans (torch's matmul settings, deterministic mode,
@@ -192,10 +188,13 @@ def signature(inputs, kept, options, device):
         settings += (torch._C._cuda_getCurrentRawStream(device.index), matmul.allow_tf32,
                      matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
                      getattr(matmul, "allow_fp16_accumulation", False))
-    first = {}
-    same = tuple(first.setdefault(id(t), i) for i, t in enumerate(inputs))
-    addresses = tuple(None if inputs[i] is None else inputs[i].data_ptr() for i in kept)
-    return options, device, settings, tuple(_layout(t) for t in inputs), same, addresses
+    # (loops rather than generators: this runs at every step, and each generator costs the host a call)
+    layouts, first = [], {}
+    for i, t in enumerate(inputs):
+        layouts.append(None if t is None else (t.shape, t.stride(), t.dtype, first.setdefault(id(t), i)))
+    for i in kept:
+        layouts.append(None if inputs[i] is None else inputs[i].data_ptr())
+    return options, device, settings, tuple(layouts)
 
 
 def _copies(inputs, kept):
@@ -252,8 +251,7 @@ def call(step, inputs, kept, lent, options, device, pairs):
     size (over MOST_PAIRS: run as it is). Inputs that share memory without being one tensor (x and a
     view of it as the reference set) are never captured: a copy would separate them. A capture that
     fails (out of memory, say) warns once and leaves its signature to run as it is."""
-    if (pairs > MOST_PAIRS or not enabled(device) or any(t is not None and t.numel() == 0 for t in inputs)
-            or _overlapping(inputs)):
+    if pairs > MOST_PAIRS or not enabled(device) or _unfit(inputs):
         return step(*inputs)
     key = signature(inputs, kept, options, device)
     with _lock:  # (one thread at a time: the bookkeeping, and a graph's buffers, are shared)
@@ -293,11 +291,11 @@ def _captured(step, inputs, kept, lent, key):
     return graph
 
 
-def _overlapping(inputs):
-    """Two of the inputs are different tensors on one storage."""
+def _unfit(inputs):
+    """An input is empty, or two of them are different tensors on one storage."""
     first = {}
     for t in inputs:
-        if t is not None and first.setdefault(t.untyped_storage().data_ptr(), t) is not t:
+        if t is not None and (t.numel() == 0 or first.setdefault(t.untyped_storage().data_ptr(), t) is not t):
             return True
     return False
 
