@@ -97,14 +97,23 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
             s, _, negative = pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, rows, row_ok,
                                        label_i, id_i, cols, col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                        PRECISION)
-        s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
-        maxneg = tl.maximum(maxneg, tl.max(s, axis=1))
+        s = tl.where(negative, s, -float("inf"))
+        tile_max = tl.max(s, axis=1)
+        maxneg = tl.maximum(maxneg, tile_max)
+        # the tile's largest mined S without a second reduction over the tile: mining keeps the negatives
+        # above a threshold of the row, so it is the tile's hardest negative where that one is mined, else
+        # there is none. The pairs' own test comes after the reduction, where its terms need it (tested
+        # before, its predicates were packed into integers to be held across the reduction).
+        if MINING:
+            tile_max = tl.where(tile_max + epsilon > minpos, tile_max, -float("inf"))
         # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
         # (ex2.approx.ftz) a pair, where tl.exp takes a multiply and a fix-up for subnormals besides; terms
-        # below 2^-126 of the shift flush to 0. (beta > 0: -inf outside the mined negatives, adding nothing.)
-        new_shift = tl.maximum(shift, tl.max(mined, axis=1) * slope - offset)
-        total = total * tl.exp2(shift - new_shift) + tl.sum(tl.exp2(mined * slope - (new_shift + offset)[:, None]),
-                                                            axis=1)
+        # below 2^-126 of the shift flush to 0. (beta > 0: S = -inf outside the negatives adds nothing.)
+        new_shift = tl.maximum(shift, tile_max * slope - offset)
+        terms = tl.exp2(s * slope - (new_shift + offset)[:, None])
+        if MINING:
+            terms = tl.where(s + epsilon > minpos[:, None], terms, 0.0)
+        total = total * tl.exp2(shift - new_shift) + tl.sum(terms, axis=1)
         shift = new_shift
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
