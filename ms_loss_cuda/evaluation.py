@@ -9,6 +9,8 @@ never by value, so duplicates of a query still count.
 Recall@K, precision@1 and MAP@R need torch alone; faiss (faiss-cpu) and numpy, its array type, are
 imported only on the faiss path. NMI needs scikit-learn (`pip install "ms-loss-cuda[eval]"`).
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -29,15 +31,31 @@ def _float32_array(rows):
     whenever faiss is: faiss depends on it)."""
     import numpy as np
 
-    return np.ascontiguousarray(rows.numpy(), dtype=np.float32)
+    return np.ascontiguousarray(rows.detach().numpy(), dtype=np.float32)
 
 
-def _checked(embeddings, labels, name):
+def _validated(embeddings, labels, name):
+    """(embeddings, labels) after checking them: a non-empty 2-D tensor of finite values (a NaN row has
+    no neighbours: faiss would return index -1 for it, which reads the last row's label) and one label
+    a row; the labels on the CPU, integer ones as int64 (the sorts and searches take no unsigned or
+    boolean keys)."""
     if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
         raise ValueError(f"{name} must be a 2-D tensor [N, D], got {getattr(embeddings, 'shape', type(embeddings))}")
     if not isinstance(labels, torch.Tensor) or labels.shape != (embeddings.shape[0],):
-        raise ValueError(f"{name} labels must have shape [{embeddings.shape[0]}], got {getattr(labels, 'shape', None)}")
-    return F.normalize(embeddings.detach().float(), dim=1).cpu(), labels.detach().cpu()
+        raise ValueError(f"{name} labels must be a tensor of shape [{embeddings.shape[0]}], got "
+                         f"{getattr(labels, 'shape', type(labels))}")
+    if embeddings.numel() == 0:
+        raise ValueError(f"{name} must have at least one row and one column, got shape {tuple(embeddings.shape)}")
+    if not torch.isfinite(embeddings.detach()).all():
+        raise ValueError(f"{name} hold NaN or infinite values (a diverged model?): they have no nearest neighbours")
+    labels = labels.detach().cpu()
+    return embeddings, labels if labels.is_floating_point() else labels.long()
+
+
+def _checked(embeddings, labels, name):
+    """`_validated`'s, the rows normalised in float32 on the CPU."""
+    embeddings, labels = _validated(embeddings, labels, name)
+    return F.normalize(embeddings.detach().float(), dim=1).cpu(), labels
 
 
 def _searcher(gallery, use_faiss):
@@ -80,6 +98,8 @@ def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None)
     (rows already normalised). With leave_one_out the gallery is the query set and row i never
     retrieves itself. use_faiss: None picks faiss when installed; True needs it; False uses torch."""
     parts = list(_knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk or QUERY_CHUNK))
+    if not parts:  # (no queries)
+        return torch.empty(0, k), torch.empty(0, k, dtype=torch.int64)
     return torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
 
@@ -107,6 +127,8 @@ def _relevant_counts(query_labels, gallery_labels, leave_one_out):
 def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None):
     """{k: fraction of queries with at least one row of their label among their k nearest}."""
     ks = sorted(set(int(k) for k in ks))
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must hold at least one k, each at least 1, got {ks}")
     found = torch.zeros(len(ks), dtype=torch.int64)
     for query_labels, near in _neighbour_labels(embeddings, labels, gallery, gallery_labels, ks[-1], use_faiss):
         first_hit = torch.where((near == query_labels[:, None]).any(dim=1),
@@ -116,6 +138,8 @@ def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gall
 
 
 def precision_at_1(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss=None):
+    """Recall@1: the fraction of queries whose nearest row has their label, over every query
+    (pytorch-metric-learning's leaves out the queries without another row of their label)."""
     return recall_at_k(embeddings, labels, (1,), gallery=gallery, gallery_labels=gallery_labels,
                        use_faiss=use_faiss)[1]
 
@@ -123,11 +147,13 @@ def precision_at_1(embeddings, labels, *, gallery=None, gallery_labels=None, use
 def map_at_r(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss=None):
     """MAP@R (Musgrave et al., 2020): R = the number of rows of the query's label in the gallery; the
     mean over queries of (1/R) sum_{i <= R} precision@i over the relevant positions i. Queries with
-    R = 0 are left out."""
-    reference_labels = labels if gallery is None else gallery_labels
-    r = _relevant_counts(labels.detach().cpu(), reference_labels.detach().cpu(), gallery is None)
+    R = 0 are left out; NaN, with a warning, when every query has R = 0."""
+    _, labels = _validated(embeddings, labels, "embeddings")
+    reference_labels = labels if gallery is None else _validated(gallery, gallery_labels, "gallery")[1]
+    r = _relevant_counts(labels, reference_labels, gallery is None)
     if int(r.max()) <= 0:
-        raise ValueError("MAP@R needs queries whose label occurs in the gallery")
+        warnings.warn("MAP@R is undefined (NaN): no query's label occurs in the gallery besides itself")
+        return float("nan")
     ranks = torch.arange(1, int(r.max()) + 1, dtype=torch.float32)
     total, start = 0.0, 0
     for query_labels, near in _neighbour_labels(embeddings, labels, gallery, gallery_labels, int(r.max()), use_faiss):
@@ -167,7 +193,8 @@ def evaluate(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery
     """All of the above in one dict: recall@k for each k, precision_at_1, map_at_r (and nmi)."""
     common = dict(gallery=gallery, gallery_labels=gallery_labels, use_faiss=use_faiss)
     results = {f"recall@{k}": v for k, v in recall_at_k(embeddings, labels, ks, **common).items()}
-    results["precision_at_1"] = results.get("recall@1", precision_at_1(embeddings, labels, **common))
+    results["precision_at_1"] = (results["recall@1"] if "recall@1" in results
+                                 else precision_at_1(embeddings, labels, **common))
     results["map_at_r"] = map_at_r(embeddings, labels, **common)
     if with_nmi:
         results["nmi"] = nmi(embeddings, labels)

@@ -90,10 +90,66 @@ def test_bad_input():
     x, labels = torch.randn(10, 4), torch.arange(10) % 3
     with pytest.raises(ValueError, match="k = 10 needs between 1 and 9"):
         evaluation.recall_at_k(x, labels, ks=(1, 10), use_faiss=False)
-    with pytest.raises(ValueError, match="labels must have shape"):
+    with pytest.raises(ValueError, match="labels must be a tensor of shape"):
         evaluation.recall_at_k(x, labels[:5], ks=(1,))
     with pytest.raises(ValueError, match="gallery D"):
         evaluation.recall_at_k(x, labels, ks=(1,), gallery=torch.randn(5, 3), gallery_labels=torch.arange(5))
+    for ks in ((), (0, 1)):
+        with pytest.raises(ValueError, match="ks must hold at least one k, each at least 1"):
+            evaluation.recall_at_k(x, labels, ks=ks, use_faiss=False)
+    for function in (evaluation.recall_at_k, evaluation.map_at_r):
+        with pytest.raises(ValueError, match="at least one row"):
+            function(x[:0], labels[:0], use_faiss=False)
+        with pytest.raises(ValueError, match="gallery labels must be a tensor"):
+            function(x, labels, gallery=x, gallery_labels=None, use_faiss=False)
+        with pytest.raises(ValueError, match="labels must be a tensor"):
+            function(x, labels.tolist(), use_faiss=False)
+    assert [t.shape for t in evaluation.knn(x[:0], x, 2, use_faiss=False)] == [(0, 2), (0, 2)]
+
+
+@pytest.mark.parametrize("use_faiss", [False, pytest.param(True, marks=pytest.mark.skipif(
+    faiss is None, reason="faiss-cpu not installed"))])
+def test_a_row_that_is_not_finite_is_refused(use_faiss):
+    """A NaN row has no nearest neighbours (faiss returns index -1 for it, which would read the last
+    row's label): the metrics refuse it, rather than give a number."""
+    x, labels = torch.randn(10, 4), torch.arange(10) % 3
+    for bad in (float("nan"), float("inf")):
+        x[4, 1] = bad
+        for function in (evaluation.recall_at_k, evaluation.map_at_r, evaluation.evaluate):
+            with pytest.raises(ValueError, match="NaN or infinite"):
+                function(x, labels, use_faiss=use_faiss)
+        with pytest.raises(ValueError, match="gallery hold NaN or infinite"):
+            evaluation.map_at_r(x[:3].abs().nan_to_num(), labels[:3], gallery=x, gallery_labels=labels,
+                                use_faiss=use_faiss)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16])
+def test_labels_of_any_integer_dtype(dtype):
+    x, labels = make_batch(40, 8, 2, dtype=torch.float32, seed=1)
+    expected = evaluation.evaluate(x, labels, (1, 5), use_faiss=False)
+    assert evaluation.evaluate(x, labels.to(dtype), (1, 5), use_faiss=False) == expected
+
+
+def test_map_at_r_without_relevant_rows_is_nan_and_evaluate_goes_on():
+    """Every class a single row: Recall@K is 0, MAP@R undefined (NaN, with a warning), as
+    pytorch-metric-learning's AccuracyCalculator warns and goes on."""
+    x, labels = torch.randn(6, 4), torch.arange(6)
+    with pytest.warns(UserWarning, match="MAP@R is undefined"):
+        results = evaluation.evaluate(x, labels, (1, 3), use_faiss=False)
+    assert results["recall@3"] == 0 and results["map_at_r"] != results["map_at_r"]
+
+
+@pytest.mark.parametrize("ks", [(1, 4), (2, 4)])
+def test_evaluate_searches_once_per_metric(ks, monkeypatch):
+    """precision@1 is recall@1 where ks holds 1: no search of its own then."""
+    searches = []
+    shipped = evaluation._knn_chunks
+    monkeypatch.setattr(evaluation, "_knn_chunks", lambda *args: (searches.append(args[2]), shipped(*args))[1])
+    x, labels = make_batch(30, 8, 5, dtype=torch.float32, seed=2)
+    results = evaluation.evaluate(x, labels, ks, use_faiss=False)
+    largest_r = int(torch.bincount(labels).max()) - 1  # (MAP@R's search: the largest R)
+    assert searches == ([4, largest_r] if 1 in ks else [4, 1, largest_r])
+    assert results["precision_at_1"] == evaluation.recall_at_k(x, labels, (1,), use_faiss=False)[1]
 
 
 def test_recall_and_map_need_torch_alone():

@@ -292,7 +292,8 @@ def write_metrics(history, out):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in history], [100 * r["recall@1"] for r in history], marker="o")
+    # (precision_at_1 is Recall@1, and is there whatever --ks holds)
+    ax.plot([r["step"] for r in history], [100 * r["precision_at_1"] for r in history], marker="o")
     ax.set_xlabel("step")
     ax.set_ylabel("Recall@1 on the held-out classes (%)")
     ax.grid(alpha=0.3)
