@@ -6,12 +6,11 @@ about SOP's). Each backend runs in a fresh process (peak resident memory above t
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
-from benchmark import track_peak_rss  # (bench/ is on the path of a script run from it)
+from benchmark import machine_info, track_peak_rss  # (bench/ is on the path of a script run from it)
 
 
 def measure(use_faiss, rows, dim):
@@ -39,8 +38,7 @@ def main():
     if args.worker:
         print(json.dumps(measure(args.worker == "faiss", args.rows, args.dim)))
         return
-    results = {"machine": {"cpu_cores": os.cpu_count(), "python": platform.python_version(),
-                           "date": time.strftime("%Y-%m-%d")}, "rows": args.rows, "dim": args.dim}
+    results = {"machine": machine_info(), "rows": args.rows, "dim": args.dim}
     for backend in ("faiss", "torch"):
         done = subprocess.run([sys.executable, __file__, "--worker", backend, "--rows", str(args.rows), "--dim",
                                str(args.dim)], capture_output=True, text=True)

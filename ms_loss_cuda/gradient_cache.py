@@ -7,8 +7,10 @@ that gradient. Memory: one chunk's activations plus the [B, D] embeddings, for a
 The parameter gradients equal those of the plain step whenever encoding a chunk does not depend on
 the rest of the batch: batch-norm in eval mode (frozen, as the MS authors train) or no batch-norm.
 With batch-norm in training mode each chunk is normalised by its own statistics (in both passes, so
-the gradient is still the exact one of that chunked forward). Random operations inside the encoder
-(dropout) replay the same random numbers in both passes.
+the gradient is still the exact one of that chunked forward), and its running statistics are updated
+once a chunk, as that chunked forward updates them: the model's buffers are put back after the first
+pass. Random operations inside the encoder (dropout) replay the same random numbers in both passes,
+on the CPU and on the current GPU.
 """
 import contextlib
 
@@ -17,13 +19,22 @@ import torch
 __all__ = ["cached_step"]
 
 
+def _cuda_device(inputs):
+    """The GPU whose random numbers the encoder draws: the inputs' if they are on one, else the current
+    GPU once CUDA is in use (an encoder may move CPU inputs, or inputs that are not a tensor, there);
+    None without CUDA."""
+    if isinstance(inputs, torch.Tensor) and inputs.device.type == "cuda":
+        return inputs.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+
+
 def _rng_states(device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    return torch.get_rng_state(), (None if device is None else torch.cuda.get_rng_state(device))
 
 
 @contextlib.contextmanager
 def _replay(states, device):
-    devices = [device] if device.type == "cuda" else []
+    devices = [] if device is None else [device]
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(states[0])
         if states[1] is not None:
@@ -31,7 +42,7 @@ def _replay(states, device):
         yield
 
 
-def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None):
+def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None):
     """One step's forward and backward with embedding-gradient caching; returns (loss detached,
     embeddings detached [B, D]). Parameter gradients accumulate into `.grad` as `loss.backward()`
     would; call the optimizer afterwards.
@@ -41,16 +52,24 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None):
     loss_fn: embeddings [B, D] -> scalar loss (labels, memory and distributed gathering are its business).
     no_sync: for DistributedDataParallel, `model.no_sync`: the gradient all-reduce then runs once, in
     the last chunk's backward, instead of once per chunk.
+    model: the module `encode` runs, where `encode` is not that module itself: its buffers (batch-norm
+    running statistics) are put back as they were after the first pass, which then leaves no trace.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if len(inputs) == 0:
+        raise ValueError("cached_step needs a batch of at least one input")
     starts = range(0, len(inputs), chunk_size)
-    device = inputs.device if isinstance(inputs, torch.Tensor) else torch.device("cpu")
+    device = _cuda_device(inputs)
+    model = encode if model is None and isinstance(encode, torch.nn.Module) else model
     states, parts = [], []
     with torch.no_grad():
+        buffers = [] if model is None else [(b, b.clone()) for b in model.buffers()]
         for start in starts:
             states.append(_rng_states(device))
             parts.append(encode(inputs[start:start + chunk_size]))
+        for buffer, before in buffers:
+            buffer.copy_(before)
     embeddings = torch.cat(parts).detach().requires_grad_()
     loss = loss_fn(embeddings)
     (grad,) = torch.autograd.grad(loss, embeddings)

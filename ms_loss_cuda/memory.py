@@ -27,6 +27,15 @@ class CrossBatchMemory(torch.nn.Module):
     needs no gradient for the memory: the fused backends then skip that half of the backward. On the
     triton backend an eager step whose gradient is taken is one call (`Backend.memory_loss`): the
     store and both terms, replayed as one CUDA graph once the memory is full.
+
+    Two things follow from storing in place. Each step's backward runs before the next call: a
+    backward taken over two calls at once (accumulating two micro-batches' losses) reads a memory
+    that the second call changed, and autograd refuses it ("modified by an inplace operation"; the
+    triton backend's one-call step has its gradient already and is not affected). And a batch with a
+    NaN or an infinity, whose own loss is NaN as every loss call's is, leaves its rows in the memory
+    until the ring comes round: the next size / B steps' losses are NaN too. Where such batches can
+    occur (float16 embeddings under a GradScaler, say), check the batch before the call, or start a
+    new memory after one.
     """
 
     def __init__(self, size, dim, *, weight=1.0, warmup=0, **loss_options):
@@ -55,6 +64,14 @@ class CrossBatchMemory(torch.nn.Module):
 
     def set_extra_state(self, state):
         self.position, self.filled, self.calls = state["position"], state["filled"], state["calls"]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the memory takes the saved rows' dtype (as a step takes the batch's), so that loading never
+        # rounds them: a float64 memory into the float32 buffer of a new module, say
+        saved = state_dict.get(prefix + "embeddings")
+        if isinstance(saved, torch.Tensor) and saved.dtype != self.embeddings.dtype:
+            self.embeddings = self.embeddings.to(saved.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, embeddings, labels, ids):
         if ids is None:

@@ -83,6 +83,49 @@ def test_random_layers_replay_the_same_numbers():
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_bad_chunk_size():
+@pytest.mark.parametrize("given", ["module", "model="])
+def test_batch_norm_statistics_are_updated_once_a_chunk(given):
+    """Batch-norm in training mode: the running statistics after a cached step are those of the
+    chunked forward with a graph (each chunk once), not twice that, whether `encode` is the module or
+    a function of it (then named by model=)."""
+    def model_and_inputs():
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4)).double()
+        return model, torch.randn(19, 6, dtype=torch.float64)
+
+    labels = torch.arange(19) % 4
+    loss_fn = lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")  # noqa: E731
+    model, inputs = model_and_inputs()
+    loss_fn(torch.cat([model(inputs[i:i + 5]) for i in range(0, 19, 5)])).backward()
+    want = [b.clone() for b in model.buffers()]
+    model, inputs = model_and_inputs()
+    if given == "module":
+        gradient_cache.cached_step(model, inputs, loss_fn, 5)
+    else:
+        gradient_cache.cached_step(lambda chunk: model(chunk), inputs, loss_fn, 5, model=model)
+    for got, expected in zip(model.buffers(), want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert model[1].num_batches_tracked.item() == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_dropout_on_the_gpu_replays_for_inputs_that_the_encoder_moves_there():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5)).double().cuda()
+    inputs, labels = torch.randn(19, 6, dtype=torch.float64), torch.arange(19, device="cuda") % 4
+    loss_fn = lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")  # noqa: E731
+    encode = lambda chunk: model(chunk.cuda())  # noqa: E731  (CPU inputs)
+    torch.cuda.manual_seed(11)
+    loss_fn(torch.cat([encode(inputs[i:i + 5]) for i in range(0, 19, 5)])).backward()
+    want = _grads(model)
+    model.zero_grad()
+    torch.cuda.manual_seed(11)
+    gradient_cache.cached_step(encode, inputs, loss_fn, 5)
+    for got, expected in zip(_grads(model), want):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_chunk_size_and_empty_batch():
     with pytest.raises(ValueError, match="chunk_size"):
         gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(), 0)
+    with pytest.raises(ValueError, match="at least one input"):
+        gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(0, 2), lambda e: e.sum(), 4)

@@ -139,6 +139,20 @@ def test_state_dict_resumes_with_the_memory():
         torch.testing.assert_close(resumed(x, labels, ids), memory(x, labels, ids))
 
 
+def test_a_float64_memory_resumes_without_rounding():
+    """A new module's buffer is float32 until its first step: loading a float64 memory takes the saved
+    dtype rather than rounding the rows into that buffer."""
+    data = list(batches(5, 6, 5, samples=30, classes=4, seed=3))  # (float64 rows)
+    memory = CrossBatchMemory(16, 5, backend="reference")
+    for x, labels, ids in data[:2]:
+        memory(x, labels, ids)
+    resumed = CrossBatchMemory(16, 5, backend="reference")
+    resumed.load_state_dict(memory.state_dict())
+    assert resumed.embeddings.dtype == torch.float64 and torch.equal(resumed.embeddings, memory.embeddings)
+    x, labels, ids = data[2]
+    assert torch.equal(resumed(x, labels, ids), memory(x, labels, ids))
+
+
 def test_batch_larger_than_the_memory_keeps_its_last_rows():
     memory = CrossBatchMemory(4, 3, backend="reference")
     x, labels, ids = next(batches(1, 10, 3, samples=10, classes=3))

@@ -402,7 +402,7 @@ def main(argv=None):
                 return scaler.scale(loss_of(embeddings, labels, ids))
 
         if args.chunk_size:
-            loss, embeddings = gradient_cache.cached_step(encode, inputs, scaled_loss, args.chunk_size,
+            loss, embeddings = gradient_cache.cached_step(encode, inputs, scaled_loss, args.chunk_size, model=wrapped,
                                                           no_sync=wrapped.no_sync if world > 1 else None)
         else:
             embeddings = encode(inputs)
