@@ -72,6 +72,9 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
             buffer.copy_(before)
     embeddings = torch.cat(parts).detach().requires_grad_()
     loss = loss_fn(embeddings)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar loss (reduction 'mean' or 'sum'), got "
+                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
     (grad,) = torch.autograd.grad(loss, embeddings)
     for number, (start, state) in enumerate(zip(starts, states)):
         last = number == len(starts) - 1

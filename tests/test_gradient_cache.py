@@ -129,3 +129,5 @@ def test_bad_chunk_size_and_empty_batch():
         gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(), 0)
     with pytest.raises(ValueError, match="at least one input"):
         gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(0, 2), lambda e: e.sum(), 4)
+    with pytest.raises(ValueError, match=r"a scalar loss .*, got \(3,\)"):
+        gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(1), 2)
