@@ -37,6 +37,23 @@ def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtyp
     assert chosen and all(len(chunks) > 1 and not triangle for chunks, triangle in chosen)
 
 
+@pytest.mark.skipif(**TRITON_MISSING)
+def test_a_chunk_of_more_row_blocks_than_a_grid_axis_holds_takes_a_launch_per_piece(monkeypatch):
+    """CUDA caps the grid's second axis, the weights launch's row blocks, at 65535; a reference set's
+    chunk holds every anchor, so from 8.4M anchors on it takes one launch per piece of rows: here a cap
+    of one row block, against the float64 reference."""
+    from ms_loss_cuda.triton_kernels import backward
+
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
+    monkeypatch.setattr(backward, "MOST_GRID_Y", 1)
+    grids, shipped = [], launcher.Launch.__call__
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch: (
+        grids.append(launch.grid) if launch.kernel.fn.__name__ == "weights_kernel" else None, shipped(launch)))
+    check_against_reference("triton", build_case("ref_ids", 150, 40, torch.float32, seed=2), torch.float32, "sum",
+                            device=DEVICE)
+    assert len(grids) > 2 and all(grid[1] == 1 for grid in grids)
+
+
 @pytest.mark.skipif(triton_kernels is None, reason="Triton missing")
 def test_identities_shared_across_labels_are_found():
     # (the flag that makes the self case's negatives kernel compare the caller's identities)

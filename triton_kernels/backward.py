@@ -113,6 +113,7 @@ def _padded(columns):
 # the chunked backward's programs per row block for its positive range: the tiles of a P x M batch's
 # range (about 70 columns for 64 rows: 2 or 3 tiles of 64) at once
 RANGE_PROGRAMS = 4
+MOST_GRID_Y = 65535  # CUDA's most blocks on a grid's second axis
 # half a multiprocessor's 64K registers: a program's share where two must fit on one
 TWO_PROGRAMS_REGISTERS = 65536 // 2
 LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
@@ -327,13 +328,20 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         # the range launch's row blocks must be the ranges' (the label-free tiles' weights in a range are wrong)
         assert not tiles["LABEL_ORDER"] or row_begin % range_tiles["BLOCK_M"] == 0
         w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
-        grid = (cdiv(cols, tiles["BLOCK_N"]), cdiv(rows, tiles["BLOCK_M"]))
         args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
-        # (identities: the range launch's; with a bank's scales, the registers capped where two programs share a
-        # multiprocessor, which a Hopper program fits without spilling; 255 is PTX's most)
-        steps.append(Launch(weights_kernel, grid, args, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps,
-                            stages, min(TWO_PROGRAMS_REGISTERS // (32 * warps), 255) if tiles["B_SCALES"] else None))
+        # the row blocks on the grid's second axis, which CUDA caps at 65535: a chunk of more rows (a
+        # reference set's chunks hold every anchor: from 8.4M anchors on) takes one launch per piece of them
+        most_rows = MOST_GRID_Y * tiles["BLOCK_M"]
+        for begin in range(row_begin, row_end, most_rows):
+            end = min(begin + most_rows, row_end)
+            part = dict(args, w_ptr=w[begin - row_begin:], copy_ptr=w_copy[begin - row_begin:], row_begin=begin,
+                        row_end=end)
+            # (identities: the range launch's; with a bank's scales, the registers capped where two programs
+            # share a multiprocessor, which a Hopper program fits without spilling; 255 is PTX's most)
+            steps.append(Launch(weights_kernel, (cdiv(cols, tiles["BLOCK_N"]), cdiv(end - begin, tiles["BLOCK_M"])),
+                                part, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps, stages,
+                                min(TWO_PROGRAMS_REGISTERS // (32 * warps), 255) if tiles["B_SCALES"] else None))
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = launcher.split_config(range_tiles)
             steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,
