@@ -60,25 +60,36 @@ def test_cached_step_equals_plain_step(chunk_size, with_memory):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+def _model_and_inputs(middle, seed):
+    """Linear, `middle`, Linear in float64, and 19 inputs (no chunk size of 5 divides them), from `seed`."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), middle, torch.nn.Linear(16, 5)).double(), \
+        torch.randn(19, 6, dtype=torch.float64)
+
+
+def _chunked_step(encode, inputs, loss_fn):
+    """The forward with a graph in chunks of 5, and its backward: what cached_step(..., 5) must equal."""
+    loss = loss_fn(torch.cat([encode(inputs[i:i + 5]) for i in range(0, len(inputs), 5)]))
+    loss.backward()
+    return loss.detach()
+
+
+def _loss_of(labels):
+    return lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")
+
+
 def test_random_layers_replay_the_same_numbers():
     """With dropout, each chunk's second pass draws the first pass's random numbers: the gradients
     are those of the chunked forward with graph, run from the same seed."""
-    def model_and_inputs():
-        torch.manual_seed(3)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5)).double()
-        return model, torch.randn(19, 6, dtype=torch.float64)
-
-    labels = torch.arange(19) % 4
-    loss_fn = lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")  # noqa: E731
-    model, inputs = model_and_inputs()
+    loss_fn = _loss_of(torch.arange(19) % 4)
+    model, inputs = _model_and_inputs(torch.nn.Dropout(0.5), 3)
     torch.manual_seed(11)
-    loss = loss_fn(torch.cat([model(inputs[i:i + 5]) for i in range(0, 19, 5)]))
-    loss.backward()
+    loss = _chunked_step(model, inputs, loss_fn)
     want = _grads(model)
-    model, inputs = model_and_inputs()
+    model, inputs = _model_and_inputs(torch.nn.Dropout(0.5), 3)
     torch.manual_seed(11)
     cached_loss, _ = gradient_cache.cached_step(model, inputs, loss_fn, 5)
-    torch.testing.assert_close(cached_loss, loss.detach())
+    torch.testing.assert_close(cached_loss, loss)
     for got, expected in zip(_grads(model), want):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
@@ -88,17 +99,11 @@ def test_batch_norm_statistics_are_updated_once_a_chunk(given):
     """Batch-norm in training mode: the running statistics after a cached step are those of the
     chunked forward with a graph (each chunk once), not twice that, whether `encode` is the module or
     a function of it (then named by model=)."""
-    def model_and_inputs():
-        torch.manual_seed(5)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4)).double()
-        return model, torch.randn(19, 6, dtype=torch.float64)
-
-    labels = torch.arange(19) % 4
-    loss_fn = lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")  # noqa: E731
-    model, inputs = model_and_inputs()
-    loss_fn(torch.cat([model(inputs[i:i + 5]) for i in range(0, 19, 5)])).backward()
+    loss_fn = _loss_of(torch.arange(19) % 4)
+    model, inputs = _model_and_inputs(torch.nn.BatchNorm1d(16), 5)
+    _chunked_step(model, inputs, loss_fn)
     want = [b.clone() for b in model.buffers()]
-    model, inputs = model_and_inputs()
+    model, inputs = _model_and_inputs(torch.nn.BatchNorm1d(16), 5)
     if given == "module":
         gradient_cache.cached_step(model, inputs, loss_fn, 5)
     else:
@@ -110,12 +115,12 @@ def test_batch_norm_statistics_are_updated_once_a_chunk(given):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_dropout_on_the_gpu_replays_for_inputs_that_the_encoder_moves_there():
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5)).double().cuda()
-    inputs, labels = torch.randn(19, 6, dtype=torch.float64), torch.arange(19, device="cuda") % 4
-    loss_fn = lambda e: ms_loss_cuda.multi_similarity_loss(e, labels, backend="reference")  # noqa: E731
+    loss_fn = _loss_of(torch.arange(19, device="cuda") % 4)
+    model, inputs = _model_and_inputs(torch.nn.Dropout(0.5), 3)
+    model.cuda()
     encode = lambda chunk: model(chunk.cuda())  # noqa: E731  (CPU inputs)
     torch.cuda.manual_seed(11)
-    loss_fn(torch.cat([encode(inputs[i:i + 5]) for i in range(0, 19, 5)])).backward()
+    _chunked_step(encode, inputs, loss_fn)
     want = _grads(model)
     model.zero_grad()
     torch.cuda.manual_seed(11)
