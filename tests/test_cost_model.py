@@ -166,7 +166,8 @@ MIB = 1 << 20
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("batch,ref_rows,mib,limit", [(16384, None, 64, 2.65), (65536, None, 256, 2.55),
                                                      (65536, None, 64, 3.01), (4096, None, 64, 3.1),
-                                                     (1024, 1048576, 64, 3.01), (256, 65536, 64, 3.01)])
+                                                     (1024, 1048576, 64, 3.01), (256, 65536, 64, 3.01),
+                                                     (16384, 65536, 64, 3.01)])
 def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, batch, ref_rows, mib, limit):
     """Weights to memory chunk by chunk, then cuBLAS: one product, and S once (a memory bank), or in
     the self case from each chunk's first row on where the chunks are at least 1024 rows tall (half
@@ -195,12 +196,15 @@ def test_the_chunked_backward_works_in_bounded_memory(monkeypatch, dtype_name, b
     triangle = weights[0].constexprs["BOTH_LIFTS"]
     assert triangle == (ref_rows is None and limit < 3)
     # each chunk's own rows, then (the triangle) its later rows in pieces whose float32 result, a
-    # temporary beside dx, stays within an eighth of the budget
+    # temporary beside dx, stays within an eighth of the budget; a reference set's chunk, every
+    # anchor's row, in such pieces too
     piece = piece_rows(mib * MIB, 512)
     assert piece * 512 * 4 <= max(mib * MIB // 8, LEAST_PIECE_ROWS * 512 * 4)
     pieces = [cdiv(batch - launch.args["row_end"], piece) for launch in weights] if triangle else []
+    if ref_rows is not None:
+        pieces = [cdiv(batch, piece) - 1 for _ in weights]
     assert len(products) == len(weights) + sum(pieces)
-    assert all(p.out.shape[0] <= piece for p in products if p.w.stride(0) == 1)  # (the transposed ones)
+    assert all(p.out.shape[0] <= piece for p in products if p.w.stride(0) == 1 or ref_rows is not None)
 
 
 @pytest.mark.parametrize("batch,ref_rows,mib", [(1024, 262144, 256), (1024, 1048576, 64), (256, 65536, 16)])

@@ -120,15 +120,16 @@ LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' we
 # the most each end of a weight is lifted in the chunked triangle (a weight then stays <= 2^8; the
 # rows of x are divided by it, and a larger one would push more of them below float16's normals)
 TRIANGLE_LIFT = 2.0 ** 7
-# The triangle's transposed products write every later row of dx, and cuBLAS returns each product's
-# float32 result beside dx before it is added (torch takes float32 sums of 16-bit products into a new
-# tensor only): one product would hold (B - r1) x D of them, 124 MiB at B = 65536, D = 512. So they
-# go in pieces of rows whose result stays within an eighth of the budget, at least this many rows.
+# cuBLAS returns each product's float32 result beside dx before it is added (torch takes float32 sums
+# of 16-bit products into a new tensor only). The triangle's transposed products write every later
+# row of dx, and a reference set's chunks every anchor's: one product would hold (B - r1) x D or B x D
+# of them, 124 MiB at B = 65536, D = 512. So they go in pieces of rows whose result stays within an
+# eighth of the budget, at least this many rows.
 LEAST_PIECE_ROWS = 1024
 
 
 def piece_rows(budget, dim):
-    """The most rows of dx one of the triangle's transposed products writes (see LEAST_PIECE_ROWS)."""
+    """The most rows of dx one product writes (see LEAST_PIECE_ROWS)."""
     return max(budget // (8 * 4 * dim), LEAST_PIECE_ROWS)
 
 
@@ -299,7 +300,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     anchor whose grad_output is far below the largest keeps its precision, up to lifts of 2^14 in
     all, where whole rows lift a row up to 2^14 alone. Otherwise: chunks of whole rows, each writing
     its rows of dx once.
-    Reference set: all anchors against chunks of its rows, dx summed over them in order; with a
+    Reference set: all anchors against chunks of its rows, dx summed over them in order (each chunk's
+    product in pieces of at most `piece` rows, as its float32 result is a temporary); with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both. A memory bank
     compared through its norms (ref_norms, no gradient): the weights kernel scales S as the forward
@@ -360,8 +362,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             columns = unit[:cols]
             steps.append(rows_launch(divided_rows_kernel, columns.shape, {}, t_ptr=b[col_begin:col_end],
                                      divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns))
-        steps.append(Product(w[:, :cols], columns, grad_x[row_begin:row_end], unlift[row_begin:row_end],
-                             accumulate=col_begin > 0))
+        for begin in range(row_begin, row_end, piece):  # (cuBLAS's float32 result of each within the budget)
+            end = min(begin + piece, row_end)
+            steps.append(Product(w[begin - row_begin:end - row_begin, :cols], columns, grad_x[begin:end],
+                                 unlift[begin:end], accumulate=col_begin > 0))
         if copy:
             steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref, accumulate=False))
     return grad_x, grad_ref, steps
