@@ -50,7 +50,9 @@ def scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, scal
             tl.store(norm_ptr, norm)  # (for the launches after this one)
         scale = tl.where(ok, g / norm, 0.0)
     else:
-        g = tl.div_rn(tl.load(grad_ptr + i * grad_stride, mask=ok, other=0.0).to(tl.float32), grad_divisor)
+        # (64-bit offsets: a direct call of the op may pass a strided grad_loss, B x stride past 2^31)
+        g = tl.div_rn(tl.load(grad_ptr + i.to(tl.int64) * grad_stride, mask=ok, other=0.0).to(tl.float32),
+                      grad_divisor)
         scale = g / tl.load(norm_ptr)
     minpos, maxneg, lp, ln = anchor_stats(stats_ptr, num_anchors, i, ok)
     has_positive, has_negative = set_flags(minpos, maxneg, epsilon, MINING)
