@@ -239,11 +239,13 @@ def test_a_bank_compared_through_its_norms_makes_one_chunk_of_unit_rows_at_a_tim
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("batch,ref_rows", [(2048, 16384), (1024, 262144)])
+@pytest.mark.parametrize("batch,ref_rows", [(2048, 16384), (1024, 262144), (256, 65536)])
 def test_the_chunked_backward_of_a_reference_set_with_gradient_computes_s_once(monkeypatch, dtype_name, batch,
                                                                                ref_rows):
     """dx and dref from the same weights (two copies, two cuBLAS products): 4 GEMM-equivalents where
-    the fused launches take 5, both buffers together within the budget."""
+    the fused launches take 5, both buffers together within the budget; the products' float32
+    results, temporaries, within an eighth of it (a chunk of 256 anchors against 32K rows: dref in
+    pieces)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "64")
     cost, backward = _cost(batch, 512, dtype_name, ref_rows=ref_rows, ref_grad=True, with_plan=True)
     assert cost["gemms"] <= 4.03 and set(cost["programs"]) >= {"weights_kernel"}, cost  # (+0.02: positive ranges)
@@ -251,6 +253,9 @@ def test_the_chunked_backward_of_a_reference_set_with_gradient_computes_s_once(m
     weights = [launch for launch in backward if getattr(launch, "args", {}).get("copy_ptr") is not None]
     w, w_copy = weights[0].args["w_ptr"], weights[0].args["copy_ptr"]
     assert w.data_ptr() != w_copy.data_ptr() and 2 * w.numel() * w.element_size() <= 64 * MIB
+    products = [step for step in backward if isinstance(step, Product)]
+    assert all(p.out.shape[0] <= piece_rows(64 * MIB, 512) for p in products)
+    assert sum(p.out.shape[0] for p in products if p.out.shape[0] and p.unlift.shape[0] == 1) == ref_rows  # (dref)
 
 
 @pytest.mark.parametrize("total,block,other,budget", [(16384, 128, 16384, 64 * MIB), (16384, 128, 16384, 1),

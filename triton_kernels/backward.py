@@ -301,7 +301,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     all, where whole rows lift a row up to 2^14 alone. Otherwise: chunks of whole rows, each writing
     its rows of dx once.
     Reference set: all anchors against chunks of its rows, dx summed over them in order (each chunk's
-    product in pieces of at most `piece` rows, as its float32 result is a temporary); with a
+    products, for dx and for dref, in pieces of at most `piece` rows, as their float32 results are
+    temporaries); with a
     gradient (tiles["COPY"]), a second buffer holds the weights lifted by the reference rows' one
     lift (column_lift) and gives dref of the chunk's rows, so S is computed once for both. A memory bank
     compared through its norms (ref_norms, no gradient): the weights kernel scales S as the forward
@@ -366,7 +367,9 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             end = min(begin + piece, row_end)
             steps.append(Product(w[begin - row_begin:end - row_begin, :cols], columns, grad_x[begin:end],
                                  unlift[begin:end], accumulate=col_begin > 0))
-        if copy:
-            steps.append(Product(w_copy[:, :cols].T, a, grad_ref[col_begin:col_end], unlift_ref, accumulate=False))
+        for begin in range(0, cols if copy else 0, piece):  # (dref of the chunk's rows, in such pieces too)
+            end = min(begin + piece, cols)
+            steps.append(Product(w_copy[:, begin:end].T, a, grad_ref[col_begin + begin:col_begin + end], unlift_ref,
+                                 accumulate=False))
     return grad_x, grad_ref, steps
 
