@@ -7,7 +7,9 @@ down to a stand-in driver (--launches stubbed: none of it), the cuBLAS products 
 --replayed each step replayed by a stand-in graph, as a GPU replays it from a shape's third call
 (the replay itself, one driver call on a GPU, left out). Only the
 --steps counted steps are instrumented (the imports and warm-up run without: about a minute a run);
-one valgrind process per checkout and case, all at once. Needs valgrind (apt install valgrind).
+one valgrind process per checkout and case, all at once. Beside them, once, a bare autograd node
+with the replayed backward's ops (`FLOOR`): the least any loss node costs the host. Needs valgrind
+(apt install valgrind).
     git worktree add /tmp/before HEAD~1
     python bench/host_instructions.py . /tmp/before --out bench/results/cpu/host-instructions.txt
     python bench/host_instructions.py . /tmp/before --replayed --out bench/results/cpu/host-instructions-replayed.txt
@@ -23,6 +25,7 @@ from host_time import add_size_options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ("self", "memory bank")
+FLOOR = "autograd floor"  # measured once, beside the first checkout (it runs none of a checkout's code)
 
 
 def serve(root, case, launches, replayed, batch, ref_rows, dim):
@@ -41,7 +44,7 @@ def serve(root, case, launches, replayed, batch, ref_rows, dim):
     bank_rows = ref_rows if case == "memory bank" else None
     x, labels, ref, ref_labels = make_inputs(batch, dim, HARDNESS["typical"], bank_rows, "cpu")
     x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
-    step = step_function("triton", labels, ref, ref_labels)
+    step = floor_step(x.shape) if case == FLOOR else step_function("triton", labels, ref, ref_labels)
     for _ in range(10):  # compiles, warms the caches
         x.grad = None
         step(x)
@@ -51,6 +54,27 @@ def serve(root, case, launches, replayed, batch, ref_rows, dim):
         step(x)
     print("done", flush=True)
     sys.stdin.readline()  # (instrumentation is off again: the exit is not counted)
+
+
+def floor_step(shape):
+    """A step through a bare autograd node (`FLOOR`) on rows of `shape`: its forward one torch op (the
+    loss), its backward the two of the triton backend's replayed backward (a float32 gradient kept
+    from the forward times grad_output, rounded into the rows' dtype), then autograd's engine and
+    the gradient's accumulation: what any loss node costs the host before the loss's own work."""
+    import torch
+
+    gradient = torch.ones(shape)
+
+    class OneOpEachWay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows):
+            return rows.new_zeros(())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.mul(gradient, grad, out=torch.empty_like(gradient, dtype=torch.float16))
+
+    return lambda x: OneOpEachWay.apply(x).backward()
 
 
 def count(runs, steps):
@@ -94,7 +118,8 @@ def main():
     roots = [os.path.abspath(root) for root in args.checkouts]
     with tempfile.TemporaryDirectory() as scratch:
         runs = {}
-        for number, (root, case) in enumerate((root, case) for root in roots for case in CASES):
+        measured = [(root, case) for root in roots for case in CASES] + [(roots[0], FLOOR)]
+        for number, (root, case) in enumerate(measured):
             log = os.path.join(scratch, f"valgrind-{number}.log")
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={log}",
                        f"--callgrind-out-file={scratch}/callgrind-{number}.out", sys.executable, __file__,
@@ -111,6 +136,8 @@ def main():
     for root in roots:
         lines.append(f"  {root}: {revision(root)}")
         lines += [f"    {case:12s} {counts[root, case] / 1e3:8.0f} k" for case in CASES]
+    lines.append(f"  {FLOOR} (a bare autograd node, one torch op forward and the replayed backward's two): "
+                 f"{counts[roots[0], FLOOR] / 1e3:.0f} k")
     report(lines, args.out)
 
 
