@@ -71,6 +71,25 @@ def build_case(case, batch, dim, dtype, seed=0, labels_dtype=torch.int64):
     return kwargs
 
 
+def threshold_crossing(dtype, device="cpu"):
+    """(x [1, 64], bank, moved bank, labels, ref_labels, hyper-parameters) of an anchor whose mined sets
+    are empty against `bank` (a positive at S = 0.7 and a negative at S = 0.55, epsilon between them),
+    while against `moved bank`, its negative moved by about 1e-3, the negative crosses the threshold
+    (S_forward + epsilon < minpos < S_backward + epsilon): what a backward that recomputes S in another
+    order than its forward may meet, in the rows' dtype on `device`."""
+    gen = torch.Generator().manual_seed(0)
+    a, other = torch.nn.functional.normalize(torch.randn(2, 64, generator=gen, dtype=torch.float64), dim=1)
+    other = torch.nn.functional.normalize(other - (other @ a) * a, dim=0)
+    positive, negative = 0.7 * a + 0.51 ** 0.5 * other, 0.55 * a - (1 - 0.55 ** 2) ** 0.5 * other
+    moved = negative + 1e-3 * a  # (S + 1e-3)
+    x, bank, moved_bank = (t.to(dtype).to(device) for t in (a[None], torch.stack([positive, negative]),
+                                                            torch.stack([positive, moved])))
+    s_positive, s_forward, s_backward = (float(x.double() @ r.double()) for r in (bank[0], bank[1], moved_bank[1]))
+    epsilon = s_positive - (s_forward + s_backward) / 2
+    labels, ref_labels = torch.tensor([0], device=device), torch.tensor([0, 1], device=device)
+    return x, bank, moved_bank, labels, ref_labels, (2.0, 50.0, 0.5, epsilon, True, False)
+
+
 def loss_and_grads(kwargs, backend, grad_output, ref_grad=True, **options):
     """The loss and the gradients of the embeddings (and of the reference set, when there is one and
     ref_grad)."""

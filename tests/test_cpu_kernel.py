@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import ms_loss_cuda
 from ms_loss_cuda import multi_similarity_loss, ops
 
-from conftest import build_case, check_against_reference, loss_and_grads, make_batch
+from conftest import build_case, check_against_reference, loss_and_grads, make_batch, threshold_crossing
 
 pytestmark = pytest.mark.skipif(ops.LOAD_ERROR is not None, reason=f"extension not built: {ops.LOAD_ERROR}")
 
@@ -76,19 +76,10 @@ def test_a_pair_the_backward_puts_across_a_threshold_gets_no_weight(monkeypatch,
     LP and LN as +inf. The ops are given a negative moved by about 1e-3 in between; without the
     sentinel the gradient is about 4."""
     monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", "0")
-    gen = torch.Generator().manual_seed(0)
-    a, other = F.normalize(torch.randn(2, 64, generator=gen, dtype=torch.float64), dim=1)
-    other = F.normalize(other - (other @ a) * a, dim=0)
-    positive, negative = 0.7 * a + 0.51 ** 0.5 * other, 0.55 * a - (1 - 0.55 ** 2) ** 0.5 * other
-    moved = negative + 1e-3 * a  # (S + 1e-3)
-    rows = [t.to(dtype) for t in (a[None], torch.stack([positive, negative]), torch.stack([positive, moved]))]
-    s_forward, s_backward = (float(rows[0].double() @ r[1].double()) for r in rows[1:])
-    epsilon = float(rows[0].double() @ rows[1][0].double()) - (s_forward + s_backward) / 2
-    labels, ref_labels = torch.tensor([0]), torch.tensor([0, 1])
-    hyper = (2.0, 50.0, 0.5, epsilon, True, False)
-    loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(rows[0], labels, None, rows[1], ref_labels, None, *hyper)
+    x, bank, moved, labels, ref_labels, hyper = threshold_crossing(dtype)
+    loss, stats = torch.ops.ms_loss_cuda.ms_loss_forward(x, labels, None, bank, ref_labels, None, *hyper)
     assert stats.shape == (4, 1) and stats[2:].isinf().all()  # (recomputing; both sets empty)
-    grad_x, _ = torch.ops.ms_loss_cuda.ms_loss_backward(torch.ones_like(loss), stats, rows[0], labels, None, rows[2],
+    grad_x, _ = torch.ops.ms_loss_cuda.ms_loss_backward(torch.ones_like(loss), stats, x, labels, None, moved,
                                                         ref_labels, None, *hyper, False)
     assert loss.item() == 0 and torch.equal(grad_x, torch.zeros_like(grad_x))
 

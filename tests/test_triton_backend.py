@@ -14,7 +14,7 @@ from ms_loss_cuda import available_backends, multi_similarity_loss
 from ms_loss_cuda.common import unit_rows
 
 from conftest import (assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
-                      make_batch, to)
+                      make_batch, threshold_crossing, to)
 from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, in_turn,
                      triton_kernels)
 
@@ -173,19 +173,9 @@ def test_a_pair_the_backward_puts_across_a_threshold_gets_no_weight(monkeypatch,
     threshold in the backward, must still get no weight there (its weights' lift is the largest,
     2^64): a gradient of 0, not inf. The ops are given a negative moved by about 1e-3 in between."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
-    gen = torch.Generator().manual_seed(0)
-    a, other = F.normalize(torch.randn(2, 64, generator=gen, dtype=torch.float64), dim=1)
-    other = F.normalize(other - (other @ a) * a, dim=0)
-    positive, negative = 0.7 * a + 0.51 ** 0.5 * other, 0.55 * a - (1 - 0.55 ** 2) ** 0.5 * other
-    moved = negative + 1e-3 * a  # (S + 1e-3)
-    rows = [t.half().to(DEVICE) for t in (a[None], torch.stack([positive, negative]), torch.stack([positive, moved]))]
-    s_positive, s_forward, s_backward = (float(rows[0].double() @ r.double()) for r in (rows[1][0], rows[1][1],
-                                                                                      rows[2][1]))
-    epsilon = s_positive - (s_forward + s_backward) / 2  # (S_forward + epsilon < minpos < S_backward + epsilon)
-    labels, ref_labels = torch.tensor([0], device=DEVICE), torch.tensor([0, 1], device=DEVICE)
-    hyper = (2.0, 50.0, 0.5, epsilon, True, False)
-    loss, stats = torch.ops.ms_loss_cuda.triton_forward(rows[0], labels, None, rows[1], ref_labels, None, *hyper)
-    grad_x, _ = torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), stats, rows[0], labels, None, rows[2],
+    x, bank, moved, labels, ref_labels, hyper = threshold_crossing(torch.float16, DEVICE)
+    loss, stats = torch.ops.ms_loss_cuda.triton_forward(x, labels, None, bank, ref_labels, None, *hyper)
+    grad_x, _ = torch.ops.ms_loss_cuda.triton_backward(torch.ones_like(loss), stats, x, labels, None, moved,
                                                        ref_labels, None, *hyper, False)
     assert loss.item() == 0 and torch.equal(grad_x, torch.zeros_like(grad_x))
 

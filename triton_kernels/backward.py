@@ -128,6 +128,11 @@ TRIANGLE_LIFT = 2.0 ** 7
 LEAST_PIECE_ROWS = 1024
 
 
+def _spans(begin, end, most):
+    """[begin, end) in consecutive (first, last + 1) spans of at most `most`."""
+    return ((first, min(first + most, end)) for first in range(begin, end, most))
+
+
 def piece_rows(budget, dim):
     """The most rows of dx one product writes (see LEAST_PIECE_ROWS)."""
     return max(budget // (8 * 4 * dim), LEAST_PIECE_ROWS)
@@ -336,8 +341,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         # the row blocks on the grid's second axis, which CUDA caps at 65535: a chunk of more rows (a
         # reference set's chunks hold every anchor: from 8.4M anchors on) takes one launch per piece of them
         most_rows = MOST_GRID_Y * tiles["BLOCK_M"]
-        for begin in range(row_begin, row_end, most_rows):
-            end = min(begin + most_rows, row_end)
+        for begin, end in _spans(row_begin, row_end, most_rows):
             part = dict(args, w_ptr=w[begin - row_begin:], copy_ptr=w_copy[begin - row_begin:], row_begin=begin,
                         row_end=end)
             # (identities: the range launch's; with a bank's scales, the registers capped where two programs
@@ -353,8 +357,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             steps.append(Product(w[:, :cols], a_unlifted[col_begin:], grad_x[row_begin:row_end],
                                  unlift[row_begin:row_end], accumulate=chunk > 0))
             # (the first chunk writes every row of dx, its own and the later ones; the rest add)
-            for begin in range(row_end, num_x, piece):  # (w's column c: row col_begin + c)
-                end = min(begin + piece, num_x)
+            for begin, end in _spans(row_end, num_x, piece):  # (w's column c: row col_begin + c)
                 steps.append(Product(w[:, begin - col_begin:end - col_begin].T, a_unlifted[row_begin:row_end],
                                      grad_x[begin:end], unlift[begin:end], accumulate=chunk > 0))
             continue
@@ -363,12 +366,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             columns = unit[:cols]
             steps.append(rows_launch(divided_rows_kernel, columns.shape, {}, t_ptr=b[col_begin:col_end],
                                      divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns))
-        for begin in range(row_begin, row_end, piece):  # (cuBLAS's float32 result of each within the budget)
-            end = min(begin + piece, row_end)
+        for begin, end in _spans(row_begin, row_end, piece):  # (cuBLAS's float32 result of each within the budget)
             steps.append(Product(w[begin - row_begin:end - row_begin, :cols], columns, grad_x[begin:end],
                                  unlift[begin:end], accumulate=col_begin > 0))
-        for begin in range(0, cols if copy else 0, piece):  # (dref of the chunk's rows, in such pieces too)
-            end = min(begin + piece, cols)
+        for begin, end in _spans(0, cols if copy else 0, piece):  # (dref of the chunk's rows, in such pieces too)
             steps.append(Product(w_copy[:, begin:end].T, a, grad_ref[col_begin + begin:col_begin + end], unlift_ref,
                                  accumulate=False))
     return grad_x, grad_ref, steps

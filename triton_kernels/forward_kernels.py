@@ -37,9 +37,9 @@ def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         s, positive, negative = positive_range_tile(
-            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr,
-            rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES, BLOCK_M, BLOCK_N,
-            BLOCK_K, UPCAST, PRECISION)
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr,
+            column_shift_ptr, rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, float("inf")), axis=1))
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -float("inf")), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
@@ -156,9 +156,9 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
         s, positive, negative = positive_range_tile(
-            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr, column_shift_ptr,
-            rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES, BLOCK_M, BLOCK_N,
-            BLOCK_K, UPCAST, PRECISION)
+            x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr,
+            column_shift_ptr, rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if SKIP_RANGE:
             unused_s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
             sum_n += tl.sum(tl.exp(beta * (mined - base) - shift[:, None]), axis=1)
