@@ -42,9 +42,12 @@ class Chunked(NamedTuple):
     tiles: Optional[tuple] = None
 
 
-# timed beside the fused backward entries
+# timed beside the fused backward entries; the wider tiles read fewer operand bytes a pair (docs/triton.md,
+# "The triangle": 64 x 64 tiles read 32 bytes a pair from L2, 128 x 64 24 and 128 x 128 16)
 CHUNKED = {"16-bit": [Chunked(256), Chunked(64), Chunked(256, (128, 32, 32, 8, 4)), Chunked(256, (128, 32, 32, 4, 4)),
-                      Chunked(256, (128, 32, 64, 8, 3)), Chunked(256, (64, 64, 32, 4, 4))],
+                      Chunked(256, (128, 32, 64, 8, 3)), Chunked(256, (64, 64, 32, 4, 4)),
+                      Chunked(256, (128, 64, 32, 8, 4)), Chunked(256, (128, 128, 32, 8, 4)),
+                      Chunked(256, (128, 128, 64, 8, 3))],
            "float32": [Chunked(64), Chunked(256)]}
 SHIPPED = launcher.tile_config
 # (B, R, the reference set takes a gradient): the self case, for the first dtype also a memory bank and

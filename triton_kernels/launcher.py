@@ -125,7 +125,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
       3 stages (2 for D <= 256, where 3 spill on sm_80); on sm_90 the column anchors' statistics are
       loaded before S (EARLY_COLUMN_TERMS), which spills on sm_80;
     - weights (the chunked backward): the forward's tiles, narrowed to 128 x 64 with K steps of 32
-      and 4 stages, as with the statistics of both ends 128 x 128 spills. TRIANGLE_TILES: the self
+      and 4 stages (128 x 128 holds 248-255 registers, and the triangle's spills on sm_100; it is a
+      candidate of bench/tune_triton.py, not yet timed: docs/triton.md). TRIANGLE_TILES: the self
       case's triangle, whose weights also read the columns' lifts, on 64 x 64 tiles of 4 warps
       (bench/results/gpu/tune-weights-float16.json). RANGE_TILES: the small single-stage tiles of
       the launch that rewrites each row block's positive range with classified weights.
