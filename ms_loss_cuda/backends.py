@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import ops, reference
-from .common import FLOAT_DTYPES, GPU_DTYPES, HYPER_PARAMETERS, Backend
+from .common import FLOAT_DTYPES, GPU_DTYPES, Backend, hyper_parameters_of
 
 NAMES = ("auto", "reference", "cpu", "triton", "cuda")
 
@@ -63,7 +63,7 @@ class ExtensionBackend(Backend):
         return None
 
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
-        hyper_parameters = [options[name] for name in HYPER_PARAMETERS]
+        hyper_parameters = hyper_parameters_of(options)
         return ops.fused_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
 
 

@@ -10,6 +10,7 @@ keeps these rules (the Triton backend's eager call is one autograd node).
 """
 import inspect
 import math
+import operator
 
 import torch
 
@@ -18,6 +19,8 @@ GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton a
 REDUCTIONS = ("mean", "sum", "none")
 # the hyper-parameters every backend takes, in the order of the fused ops' schema (csrc/ms_loss_schema.h)
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
+# their values in that order, a tuple, from a dict of checked options (one C call: this runs at every step)
+hyper_parameters_of = operator.itemgetter(*HYPER_PARAMETERS)
 
 
 # ---- dtype rules ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ itself. Both get their keys as the kernels compare them: int32 ranks, made once 
 import torch
 
 from .. import ops
-from ..common import GPU_DTYPES, HYPER_PARAMETERS, Backend, loss_dtype, unit_rows
+from ..common import GPU_DTYPES, Backend, hyper_parameters_of, loss_dtype, unit_rows
 from . import launcher, op
 from .operands import ranked_keys
 
@@ -40,20 +40,20 @@ class TritonBackend(Backend):
         return unit_rows(t) if ops.traced() else op.unit_rows(t)
 
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
-        hyper_parameters = [options[name] for name in HYPER_PARAMETERS]
+        hyper_parameters = hyper_parameters_of(options)
         return op.fused_forward(x, *ranked_keys(labels, ids, ref, ref_labels, ref_ids), *hyper_parameters)[0]
 
     def memory_loss(self, x, labels, ids, slots, memory, filled, weight, options, normalize, reduction):
         if ops.traced():
             return None
         return op.eager_memory_loss(x, labels, ids, slots, *memory, filled, weight,
-                                    [options[name] for name in HYPER_PARAMETERS], normalize, reduction, loss_dtype(x))
+                                    hyper_parameters_of(options), normalize, reduction, loss_dtype(x))
 
     def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
         if ops.traced():
             return super().loss(embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction)
         return op.eager_loss(embeddings, labels, ids, ref, ref_labels, ref_ids,
-                             [options[name] for name in HYPER_PARAMETERS], normalize, reduction, loss_dtype(embeddings))
+                             hyper_parameters_of(options), normalize, reduction, loss_dtype(embeddings))
 
 
 BACKEND = TritonBackend()

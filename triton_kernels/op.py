@@ -240,12 +240,13 @@ class _EagerMemoryLoss(torch.autograd.Function):
     """CrossBatchMemory's eager step on the triton backend as one autograd node (see `eager_memory_loss`):
     its forward issues the whole step, backward included, as one sequence of launches that replay.call
     captures (the memory's buffers read and written in place); the backward scales the float32
-    gradient by grad_output, as `_EagerLoss` does."""
+    gradient by grad_output, as `_EagerLoss` does. `tensors`: (labels, ids, slots, and the memory's
+    embeddings, labels and ids), one argument with `options`, as `_EagerLoss` takes its keys."""
 
     @staticmethod
-    def forward(ctx, x, labels, ids, slots, memory, memory_labels, memory_ids, options):
+    def forward(ctx, x, tensors, options):
         filled = options[-2]  # (options: hyper-parameters, normalize, reduction, dtype, filled, weight)
-        inputs = (x, labels, ids, slots, memory, memory_labels, memory_ids)
+        inputs = (x, *tensors)
         loss, dx = replay.call(lambda *tensors: _memory_step_with_gradients(*tensors, *options), inputs, (4, 5, 6),
                                (1,), options, x.device, x.shape[0] * (x.shape[0] + filled))
         saved, ctx.leases = replay.for_backward((dx,))
@@ -256,7 +257,7 @@ class _EagerMemoryLoss(torch.autograd.Function):
     def backward(ctx, grad):
         x, dx = ctx.saved_tensors
         dx = replay.use(ctx.leases[0], dx, lambda g: _scaled(g, grad, x.dtype))
-        return ops.first_derivative_only((x,), dx) + (None,) * 7
+        return ops.first_derivative_only((x,), dx) + (None, None)
 
 
 def eager_memory_loss(x, labels, ids, slots, memory, memory_labels, memory_ids, filled, weight, hyper_parameters,
@@ -268,7 +269,7 @@ def eager_memory_loss(x, labels, ids, slots, memory, memory_labels, memory_ids, 
     if reduction == "none" or not torch.is_grad_enabled() or not x.requires_grad:
         return None
     options = (tuple(hyper_parameters), normalize, reduction, dtype, filled, float(weight))
-    return _EagerMemoryLoss.apply(x, labels, ids, slots, memory, memory_labels, memory_ids, options)
+    return _EagerMemoryLoss.apply(x, (labels, ids, slots, memory, memory_labels, memory_ids), options)
 
 
 class _EagerLoss(torch.autograd.Function):
@@ -288,12 +289,13 @@ class _EagerLoss(torch.autograd.Function):
     lifts them). A forward whose gradient is never taken pays for it, as in Liger-Kernel's fused
     linear cross entropy. "none" takes its backward in the backward.
     Traced calls take the ops (`fused_forward`) instead. No second derivative: differentiating the
-    gradient again raises, as for every fused backend. `config`: (hyper_parameters, normalize,
-    reduction, dtype, gradients_now), one argument (autograd's apply handles each argument on the host)."""
+    gradient again raises, as for every fused backend. `config`: (the keys (labels, ids, ref_labels,
+    ref_ids), hyper_parameters, normalize, reduction, dtype, gradients_now), one argument: autograd's
+    apply handles each of its arguments on the host, and only x and ref may take a gradient."""
 
     @staticmethod
-    def forward(ctx, x, ref, labels, ids, ref_labels, ref_ids, config):
-        hyper_parameters, normalize, reduction, dtype, gradients_now = config
+    def forward(ctx, x, ref, config):
+        (labels, ids, ref_labels, ref_ids), hyper_parameters, normalize, reduction, dtype, gradients_now = config
         ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
         inputs = (x, ref, labels, ids, ref_labels, ref_ids)
         if gradients_now:
@@ -318,7 +320,7 @@ class _EagerLoss(torch.autograd.Function):
             db = replay.use(ctx.leases[1], saved[1], lambda g: _scaled(g, grad, ref.dtype))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             da, db = _gradients(saved, grad, ctx.hyper_parameters, ctx.reduction, ctx.needs_input_grad[:2])
-        return ops.first_derivative_only((x, ref), da, db) + (None,) * 5
+        return ops.first_derivative_only((x, ref), da, db) + (None,)
 
 
 def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, normalize, reduction, dtype):
@@ -326,8 +328,8 @@ def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, norma
     (backend.py)."""
     gradients_now = reduction != "none" and torch.is_grad_enabled() and (
         x.requires_grad or (ref is not None and ref.requires_grad))
-    return _EagerLoss.apply(x, ref, labels, ids, ref_labels, ref_ids,
-                            (tuple(hyper_parameters), normalize, reduction, dtype, gradients_now))
+    return _EagerLoss.apply(x, ref, ((labels, ids, ref_labels, ref_ids), tuple(hyper_parameters), normalize,
+                                     reduction, dtype, gradients_now))
 
 
 # ---- registration ------------------------------------------------------------------------------
