@@ -32,9 +32,9 @@
 #     TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes, TUNE_CANDIDATES=1 all
 #     fused-backward and forward tiles but the shipped ones (the chunked backward's are all timed); a later
 #     bench-float16 of the same DIR adds the triton-tuned providers), profile (Nsight Compute on one
-#     float16 step of each fused backend at B = 16384), experiment (bench/kanji_experiment.py --device
-#     cuda, EXPERIMENT_JOBS (default 14, all) training runs at once; the kanjivg wheel in .whl/ for a machine
-#     without a registry).
+#     float16 step of each fused backend at B = 16384; PROFILE_BACKENDS=triton: that one alone, which needs
+#     no build), experiment (bench/kanji_experiment.py --device cuda, EXPERIMENT_JOBS (default 14, all)
+#     training runs at once; the kanjivg wheel in .whl/ for a machine without a registry).
 # Logs and results go to DIR; DIR/summary.txt gets one line per step; the exit status is non-zero
 # when a step failed. STEP_LIMIT (s) caps each step; DEADLINE (s) the whole check, whose steps past it are
 # skipped (so that what a lease's call ran comes back with time to spare).
@@ -158,7 +158,7 @@ for step in $STEPS; do
     run_step experiment 600 $PY bench/kanji_experiment.py --device cuda --jobs "${EXPERIMENT_JOBS:-14}" \
       --data "$DIR/kanji-data" --out "$DIR/experiment-gpu" ;;
   profile)  # one float16 step of each fused backend at B = 16384, D = 512, under Nsight Compute
-    for backend in triton cuda; do
+    for backend in ${PROFILE_BACKENDS:-triton cuda}; do
       run_step "profile-$backend" 300 ncu --clock-control none \
         --kernel-name regex:"minpos_kernel|negatives_kernel|finish_kernel|grad_kernel|weights_kernel|forward_kernel|backward_kernel" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
