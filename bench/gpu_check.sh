@@ -10,7 +10,8 @@
 #   bench: the speed targets side by side, D = 512, as five parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
 #       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
-#       compiled (torch.compile of the dense loss), pml;
+#       triton-resident (the forward's negatives kernel on resident rows), compiled (torch.compile of the
+#       dense loss), pml;
 #     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-split (the backward's
 #       products as three TF32 products), triton-fp16x3 (the S tiles as three float16 products) and
 #       triton-fp16x3-split (bench/triton_internals.py), compiled, pml;
@@ -80,7 +81,7 @@ bench_step() {  # one of the bench step's parts (see the header)
   bench-float16)
     tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
     run_step bench-float16 420 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 1024 4096 16384 65536 \
-      --bank 262144 1048576 --providers matmul4 triton triton-direct triton-graph compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
+      --bank 262144 1048576 --providers matmul4 triton triton-direct triton-graph triton-resident compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \

@@ -6,6 +6,7 @@ tests/triton_aot.py checks every launch for spills with the Triton the project p
     python bench/kernel_resources.py --cc 75 --kernels minpos negatives finish grad  (T4: why Triton needs 8.0)
                                      [--tiles 128,64,64,8,3 ...]
     python bench/kernel_resources.py --dtype float32 --precision fp16x3   (float32's S tiles as float16 products)
+    python bench/kernel_resources.py --resident --kernels negatives   (triton-resident's negatives kernel)
 --rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
 divisibility hint on the row and column ends, and can change registers and spills).
 The SASS count is the whole kernel, both sides of every branch; "wgmma" counts its Hopper
@@ -59,13 +60,20 @@ def main():
                         help="name prefixes")
     parser.add_argument("--precision", help="the launches' PRECISION instead of the shipped one (fp16x3: float32's"
                                             " S tiles as float16 products, bench/triton_internals.py)")
+    parser.add_argument("--resident", action="store_true",
+                        help="the tile table of triton-resident (bench/triton_internals.py: resident_tiles)")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages, each besides the shipped tiles")
     args = parser.parse_args()
     triton_aot.ROWS = args.rows
+    if args.resident:
+        from ms_loss_cuda.triton_kernels import launcher
+        from triton_internals import resident_tiles  # (bench/, this module's folder)
+
+        launcher.tile_config = resident_tiles()
     print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on"
           + ("" if args.rows == 4096 else f", B = {args.rows}")
-          + (f", PRECISION {args.precision}" if args.precision else ""))
+          + (f", PRECISION {args.precision}" if args.precision else "") + (", triton-resident's tiles" * args.resident))
     for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
         if not name.startswith(tuple(args.kernels)):
             continue
@@ -79,7 +87,8 @@ def main():
                                                          BLOCK_K=block_k), num_warps=warps, num_stages=stages,
                                          max_registers=None)  # (the shipped cap is for the shipped warps)
             c = launch.constexprs
-            shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}, {launch.num_warps} warps, "
+            kept = f" (rows of {c['RESIDENT_D']} kept)" if c.get("RESIDENT_D") else ""
+            shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}{kept}, {launch.num_warps} warps, "
                      f"{launch.num_stages} stages" + (f", {launch.max_registers} at most" if launch.max_registers
                                                       else ""))
             registers, spills, instructions, wgmma = resources(launch, args.cc)

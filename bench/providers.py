@@ -15,7 +15,8 @@ tiles and backward form, so that one GPU call can sweep and time them beside the
 torch.compile: what a user writes instead of this library), `pml` (pytorch-metric-learning's
 MultiSimilarityLoss + MultiSimilarityMiner), `triton-split` (float32: the chunked backward's cuBLAS
 products as three TF32 products of split operands), `triton-fp16x3` (float32: the S tiles as three
-float16 products of split unit rows), `triton-fp16x3-split` (both; bench/triton_internals.py), and
+float16 products of split unit rows), `triton-fp16x3-split` (both), `triton-resident` (16-bit: the
+forward's negatives kernel on rows loaded once and kept; bench/triton_internals.py), and
 `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
@@ -30,9 +31,11 @@ TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fus
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 SPLIT = ("triton-split", "triton-fp16x3", "triton-fp16x3-split")  # on request: float32's alone differ from triton
 BUDGETS = {"triton-chunk192": "192", "triton-chunk128": "128"}  # on request: MS_LOSS_TRITON_CHUNK_MB
+RESIDENT = ("triton-resident",)  # on request
 COMPILED = ("compiled", "compiled-graph")
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, "cuda", *COMPILED, "pml")
-FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, "cuda")
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, "cuda", *COMPILED,
+             "pml")
+FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
 PROVIDER_HELP = {
@@ -50,6 +53,8 @@ PROVIDER_HELP = {
     "triton-fp16x3": "the Triton backend, its float32 S tiles as three float16 products of split unit rows"
                      " (bench/triton_internals.py)",
     "triton-fp16x3-split": "triton-fp16x3 and triton-split together",
+    "triton-resident": "the Triton backend, its forward's negatives kernel on rows loaded once and kept for every"
+                       " column tile, which then reads only its columns (bench/triton_internals.py)",
     "triton-chunk192": "the Triton backend's chunked backward at 192 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=192)",
     "triton-chunk128": "the Triton backend's chunked backward at 128 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=128)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
@@ -124,6 +129,11 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
             from triton_internals import tiles, within  # (bench/, this module's folder)
 
             return within(step, lambda: tiles(tuned))
+        if provider in RESIDENT:
+            from triton_internals import resident_tiles, tiles, within
+
+            table = resident_tiles()
+            return within(step, lambda: tiles(table))
         if provider in SPLIT:
             from triton_internals import fp16x3_tiles, split_products, tiles, within
 

@@ -1,6 +1,13 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
-triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep) and
-triton-fp16x3, and the chunked backward's cuBLAS products, for triton-split.
+triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep),
+triton-fp16x3 and triton-resident, and the chunked backward's cuBLAS products, for triton-split.
+
+triton-resident asks whether the forward's negatives kernel is bound by the operand bytes its tiles
+read from L2. Its 128 x 128 tiles read 256 KiB at D = 512 in 16 bits, 16 bytes a pair; the kernel
+and the chunked backward's weights both read about 6.5 TB/s of operands in the last H100 profile;
+their instructions a pair differ in the same ratio as their bytes a pair, so that profile cannot
+tell the two limits apart (docs/triton.md, "Operand traffic"). With the rows resident a tile reads
+only its 32 columns, 8 bytes a pair.
 
 triton-fp16x3 asks whether the float32 S tiles should take float16 tensor cores. Their shipped form,
 "tf32x3", is three TF32 products. "fp16x3" is three float16 products of unit rows split into a float16
@@ -54,6 +61,26 @@ def fp16x3_tiles(table=None):
     def config(kind, dtype, *args, **kwargs):
         entry = table(kind, dtype, *args, **kwargs)
         return dict(entry, PRECISION="fp16x3") if dtype == torch.float32 else entry
+
+    return config
+
+
+def resident_tiles(table=None):
+    """`table` (the shipped tile table unless given) with the forward's negatives kernel on resident rows
+    (triton-resident; 16-bit rows of D <= 512 on sm_90 and later, whose 227 KiB of shared memory a
+    program holds them in): each program loads its 128 rows once, keeps them and takes 128 x 32 column
+    tiles, 2 stages (192 KiB of shared memory at D = 512), so that each tile reads only its columns."""
+    import torch
+
+    from ms_loss_cuda.triton_kernels import launcher
+
+    table = table or launcher.tile_config
+
+    def config(kind, dtype, dim, interpret=launcher.INTERPRETED, capability=(9, 0)):
+        entry = table(kind, dtype, dim, interpret, capability)
+        if kind != "forward" or dtype == torch.float32 or dim > 512 or capability < (9, 0):
+            return entry
+        return dict(entry, NEGATIVES_TILES=dict(BLOCK_N=32, num_stages=2, RESIDENT_D=launcher.pow2_at_least_16(dim)))
 
     return config
 

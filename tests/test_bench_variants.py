@@ -74,6 +74,33 @@ def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
     assert (got[1] - expected[1]).abs().max() <= 1e-5 * expected[1].abs().max()
 
 
+@pytest.mark.parametrize("case", ["self", "self_ids", "ref", "ref_ids"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
+    """triton-resident's negatives kernel (each program's rows loaded once, whole, and kept for every
+    column tile: pairs.resident_rows) against the float64 reference, on rows whose padded D (48) is not
+    the power of 2 the kept rows take (64); a float16 reference set that takes no gradient is compared
+    through its norms. On a GPU the kernels run there (the variant needs sm_90's shared memory)."""
+    import triton_internals
+    from conftest import build_case, check_against_reference
+    from ms_loss_cuda.triton_kernels import launcher
+    from targets import DEVICE, TRITON_MISSING
+
+    if TRITON_MISSING["condition"]:
+        pytest.skip(TRITON_MISSING["reason"])
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the variant needs sm_90's shared memory")
+
+    resident, launched = [], launcher.Launch.__call__
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (
+        resident.append(launch.constexprs["RESIDENT_D"]) if "RESIDENT_D" in launch.constexprs else None,
+        launched(launch, *args))[1])
+    with triton_internals.tiles(triton_internals.resident_tiles()):
+        check_against_reference("triton", build_case(case, 37, 40, dtype, seed=4), dtype, "sum", device=DEVICE,
+                                ref_grad=dtype == torch.bfloat16)
+    assert resident and all(d == 64 for d in resident)
+
+
 @pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk192", "192"),
                                               ("triton-chunk128", "128")])
 def test_triton_providers_run_under_the_budget_they_name(monkeypatch, provider, budget):

@@ -32,6 +32,9 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     stats = torch.empty(4 + SAVED_ROWS * (ref is None), num_x, dtype=torch.float32, device=x.device)
     capability = capability or launcher.device_capability(x.device)
     config, warps, stages = launcher.split_config(launcher.tile_config("forward", a.dtype, dim, interpret, capability))
+    # (NEGATIVES_TILES: the negatives kernel's own BLOCK_N, warps, stages or RESIDENT_D, never its BLOCK_M; the
+    # shipped table has none)
+    negatives_tiles = config.pop("NEGATIVES_TILES", {})
     row_programs = cdiv(num_x, config["BLOCK_M"])
     launches, labels_given = [], a_labels
     if ref is None:  # one sort of the labels, kept in stats for the backward; the rows in label order too
@@ -51,6 +54,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                    row_order_ptr=row_order, range_ptr=ranges, minpos_ptr=minpos, num_x=num_x,
                    dim=dim)  # (ref_scale_ptr: read with REF_SCALES only)
     config["REF_SCALES"] = ref_norms is not None
+    negatives_config, negatives_warps, negatives_stages = launcher.split_config(
+        {**config, "num_warps": warps, "num_stages": stages, "RESIDENT_D": 0, **negatives_tiles})
     segmented = segment_end is not None  # (unsegmented: the kernels never read the two, any pointer will do)
     positives = dict(col_order_ptr=col_order, segment_end_ptr=segment_end if segmented else col_order,
                      column_shift_ptr=column_shift if segmented else col_order)
@@ -71,8 +76,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
         Launch(negatives_kernel, (row_programs, splits),
                dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
                     cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon),
-               dict(config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), warps,
-               stages),
+               dict(negatives_config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), negatives_warps,
+               negatives_stages),
         Launch(finish_kernel, (row_programs,),
                dict(tensors, **positives, part_ptr=partials, stats_ptr=stats, loss_ptr=loss, splits=splits,
                     alpha=alpha, beta=beta, base=base, epsilon=epsilon),

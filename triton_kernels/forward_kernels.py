@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .pairs import (anchor_counts, column_range, load_keys, mined_negatives, ordered_rows, pair_tile,
-                    positive_range_tile, set_flags, shifts, similarity_tile)
+                    positive_range_tile, resident_rows, set_flags, shifts, similarity_tile)
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
                      base, epsilon,
                      MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr, REF_SCALES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, RESIDENT_D: tl.constexpr):
     """The one pass over all columns (this program's split): the hardest negative, and the sum of
     exp(beta (S - base)) over the mined negatives (which need only minpos, known already), online:
     rescaled whenever a larger exponent appears. Partials [3, splits, B]: maxneg, shift, sum.
@@ -64,8 +64,13 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
     identities the caller gave can still make a pair of another label not count (CHECK_IDS,
     ref_ids in the columns' order), and only where one identity is shared by rows of different
     labels (shared_ids_ptr, a flag computed on the device: `shared_identities`), which a batch of
-    distinct samples never has. Otherwise pairs are classified by their labels and identities."""
+    distinct samples never has. Otherwise pairs are classified by their labels and identities.
+    RESIDENT_D (not 0): the program's rows are loaded once, whole, and kept for every column tile
+    (pairs.resident_rows), which then reads only its columns."""
     rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
+    a_rows = None
+    if RESIDENT_D:
+        a_rows = resident_rows(x_ptr, rows, row_ok, dim, RESIDENT_D, UPCAST)
     label_i, id_i = load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
     maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -83,7 +88,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
         col_ok = cols < end
         if SKIP_RANGE:
             s = similarity_tile(x_ptr, ref_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                PRECISION)
+                                PRECISION, a_rows, RESIDENT_D)
             # only a tile across the split's end or the skipped range needs its columns masked; the rest,
             # nearly all, skip the comparisons
             if (start + BLOCK_N > end) | ((start + BLOCK_N > skip_begin) & (start < skip_end)):
@@ -96,7 +101,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
         else:
             s, _, negative = pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, rows, row_ok,
                                        label_i, id_i, cols, col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                       PRECISION)
+                                       PRECISION, a_rows, RESIDENT_D)
         s = tl.where(negative, s, -float("inf"))
         tile_max = tl.max(s, axis=1)
         maxneg = tl.maximum(maxneg, tile_max)

@@ -119,35 +119,62 @@ def negative_weights(s, minpos, offset, scale, beta, epsilon, MINING: tl.constex
 
 # ---- tiles ---------------------------------------------------------------------------------------
 @triton.jit
+def resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl.constexpr):
+    """a[rows] whole, [BLOCK_M, RESIDENT_D] (RESIDENT_D: a power of 2 at least dim; zero past dim), for a
+    program that loads its rows once and keeps them for every column tile (`similarity_tile`'s
+    a_rows), in shared memory (128 KiB for 128 rows of 512 in 16 bits): each tile then reads only its
+    columns, 8 bytes a pair on 128 x 32 tiles at D = 512, where 128 x 128 tiles that read both read 16."""
+    ks = tl.arange(0, RESIDENT_D)
+    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < dim),
+                other=0.0)
+    return a.to(tl.float32) if UPCAST else a
+
+
+@triton.jit
+def _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """similarity_tile's with the rows kept (`resident_rows`): one product over all of D."""
+    kd = tl.arange(0, RESIDENT_D)
+    b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + kd[:, None], mask=col_ok[None, :] & (kd[:, None] < dim),
+                  other=0.0)
+    return tl.dot(a_rows, b_t.to(tl.float32) if UPCAST else b_t, input_precision=PRECISION)
+
+
+@triton.jit
 def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
     """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T: any row and column indices (a block,
     or a gathered list), rows of both `dim` long; 64-bit offsets (B * D may pass 2^31).
     PRECISION: a float32 `tl.dot`'s ("tf32x3", "tf32", "ieee"), or "fp16x3", float32 rows of magnitude
     at most 1 (unit rows) as three float16 products: each operand split into its float16 value and the
-    rest scaled by 2^11, hi hi + (hi lo + lo hi) / 2^11, which leaves out lo lo (2^-22 of the product)."""
-    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rest = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (fp16x3's cross terms; unused otherwise)
-    for k in range(0, dim, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :],
-                    mask=row_ok[:, None] & (ks[None, :] < dim), other=0.0)
-        b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + ks[:, None],
-                      mask=col_ok[None, :] & (ks[:, None] < dim), other=0.0)
-        if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
-            a = a.to(tl.float32)
-            b_t = b_t.to(tl.float32)
+    rest scaled by 2^11, hi hi + (hi lo + lo hi) / 2^11, which leaves out lo lo (2^-22 of the product).
+    RESIDENT_D (not with "fp16x3"): the rows come loaded whole as `a_rows` (`resident_rows`), and the
+    tile is one product over all of D."""
+    if RESIDENT_D:
+        s = _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D, UPCAST, PRECISION)
+    else:
+        s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rest = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (fp16x3's cross terms; unused otherwise)
+        for k in range(0, dim, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :],
+                        mask=row_ok[:, None] & (ks[None, :] < dim), other=0.0)
+            b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + ks[:, None],
+                          mask=col_ok[None, :] & (ks[:, None] < dim), other=0.0)
+            if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
+                a = a.to(tl.float32)
+                b_t = b_t.to(tl.float32)
+            if PRECISION == "fp16x3":
+                a_hi = a.to(tl.float16)
+                b_hi = b_t.to(tl.float16)
+                s = tl.dot(a_hi, b_hi, s)
+                rest = tl.dot(a_hi, ((b_t - b_hi.to(tl.float32)) * 2048.0).to(tl.float16), rest)
+                rest = tl.dot(((a - a_hi.to(tl.float32)) * 2048.0).to(tl.float16), b_hi, rest)
+            else:
+                s = tl.dot(a, b_t, s, input_precision=PRECISION)
         if PRECISION == "fp16x3":
-            a_hi = a.to(tl.float16)
-            b_hi = b_t.to(tl.float16)
-            s = tl.dot(a_hi, b_hi, s)
-            rest = tl.dot(a_hi, ((b_t - b_hi.to(tl.float32)) * 2048.0).to(tl.float16), rest)
-            rest = tl.dot(((a - a_hi.to(tl.float32)) * 2048.0).to(tl.float16), b_hi, rest)
-        else:
-            s = tl.dot(a, b_t, s, input_precision=PRECISION)
-    if PRECISION == "fp16x3":
-        s += rest * (1.0 / 2048.0)
+            s += rest * (1.0 / 2048.0)
     return s
 
 
@@ -159,22 +186,23 @@ def load_keys(labels_ptr, ids_ptr, index, ok):
 @triton.jit
 def pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
               B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
     """(S, positive, negative) of the rows against the columns `cols` (valid where col_ok). B_SCALES:
     the rows of b come as they are (a float16 memory bank, never normalised whole), and S of their
     unit rows is a @ b^T times the reciprocals of their norms (b_scale_ptr), one multiply a pair.
     (A division here would cost a Hopper program about 40 registers more.) The keys are loaded before
     S, whose products hide their latency, but with B_SCALES after it: held across S beside the
-    scales, they took the negatives kernel past 255 registers on sm_100."""
+    scales, they took the negatives kernel past 255 registers on sm_100. a_rows, RESIDENT_D: see
+    similarity_tile."""
     if B_SCALES:
         s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                            PRECISION)
+                            PRECISION, a_rows, RESIDENT_D)
         s = s * tl.load(b_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
         label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
     else:
         label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
         s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                            PRECISION)
+                            PRECISION, a_rows, RESIDENT_D)
     positive, negative = pair_classes(label_i, id_i, label_j, id_j, col_ok)
     return s, positive, negative
 
