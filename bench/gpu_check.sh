@@ -23,9 +23,9 @@
 #   host: bench/host_time.py (the host's time to issue a step, B = 1024 and 16384, and a bank's); with
 #     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
 #   kernels: bench/kernel_times.py (each kernel's time in one float16 step of the triton backend at
-#     B = 1024, 4096, 16384 and a 1024 x 1048576 bank; KERNEL_PROVIDERS adds triton-fused and cuda; where the
-#     GPU waits inside 10 steps timed from an idle GPU; the Python functions that take the host's time,
-#     at B = 1024 those of the replayed step);
+#     B = 1024, 4096, 16384 and a 1024 x 1048576 bank, and of triton-resident's; KERNEL_PROVIDERS names others
+#     (triton-fused, cuda); where the GPU waits inside 10 steps timed from an idle GPU; the Python functions
+#     that take the host's time, at B = 1024 those of the replayed step);
 #   on request: tests (the suite, or the files in TESTS, on CUDA tensors, without the static compile
 #     checks and the CPU emulation of CUDA, which need no GPU), sanitize (compute-sanitizer memcheck,
 #     racecheck, synccheck on small cases of every kernel, the triton backend's fused and chunked
@@ -140,7 +140,7 @@ for step in $STEPS; do
   bench-*) bench_step "$step" ;;
   kernels)
     run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 1024 4096 16384 1024x1048576 --idle 10 \
-      --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton} ;;
+      --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton triton-resident} ;;
   accuracy)  # the triton backend's error against the float64 reference at the benchmark's sizes
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"

@@ -16,7 +16,7 @@ torch.compile: what a user writes instead of this library), `pml` (pytorch-metri
 MultiSimilarityLoss + MultiSimilarityMiner), `triton-split` (float32: the chunked backward's cuBLAS
 products as three TF32 products of split operands), `triton-fp16x3` (float32: the S tiles as three
 float16 products of split unit rows), `triton-fp16x3-split` (both), `triton-resident` (16-bit: the
-forward's negatives kernel on rows loaded once and kept; bench/triton_internals.py), and
+negatives and weights kernels on rows loaded once and kept; bench/triton_internals.py), and
 `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
@@ -53,8 +53,8 @@ PROVIDER_HELP = {
     "triton-fp16x3": "the Triton backend, its float32 S tiles as three float16 products of split unit rows"
                      " (bench/triton_internals.py)",
     "triton-fp16x3-split": "triton-fp16x3 and triton-split together",
-    "triton-resident": "the Triton backend, its forward's negatives kernel on rows loaded once and kept for every"
-                       " column tile, which then reads only its columns (bench/triton_internals.py)",
+    "triton-resident": "the Triton backend, its negatives and weights kernels on rows loaded once and kept for"
+                       " every column tile, which then reads only its columns (bench/triton_internals.py)",
     "triton-chunk192": "the Triton backend's chunked backward at 192 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=192)",
     "triton-chunk128": "the Triton backend's chunked backward at 128 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=128)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",

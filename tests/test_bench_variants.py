@@ -77,12 +77,17 @@ def test_fp16x3_tiles_hold_float32_accuracy(reduction, bank):
 @pytest.mark.parametrize("case", ["self", "self_ids", "ref", "ref_ids"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
-    """triton-resident's negatives kernel (each program's rows loaded once, whole, and kept for every
-    column tile: pairs.resident_rows) against the float64 reference, on rows whose padded D (48) is not
-    the power of 2 the kept rows take (64); a float16 reference set that takes no gradient is compared
-    through its norms. On a GPU the kernels run there (the variant needs sm_90's shared memory)."""
+    """triton-resident (each program's rows loaded once, whole, and kept for every column tile:
+    pairs.resident_rows): the negatives kernel, and the chunked backward's weights, 2 column tiles a
+    program, over several chunks (the triangle in the self case), on rows whose padded D (48) is not
+    the power of 2 the kept rows take (64). float16 against the float64 reference; bfloat16 against
+    the shipped tiles (its unit rows' rounding, times beta = 50 in the weights, takes its gradients
+    percents from the float64 ones at this size, in every backend:
+    bench/results/gpu/h100/accuracy.txt). A float16 reference set that takes no gradient is compared
+    through its norms, a bfloat16 one takes a gradient (dref's copy of the weights). On a GPU the
+    kernels run there (the variant needs sm_90's shared memory)."""
     import triton_internals
-    from conftest import build_case, check_against_reference
+    from conftest import assert_close, build_case, check_against_reference, loss_and_grads, to
     from ms_loss_cuda.triton_kernels import launcher
     from targets import DEVICE, TRITON_MISSING
 
@@ -90,15 +95,31 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
         pytest.skip(TRITON_MISSING["reason"])
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the variant needs sm_90's shared memory")
+    # the chunked backward on chunks of several column tiles (a bank's) or two row blocks (the triangle's first)
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0.05")
+    monkeypatch.setattr(triton_internals, "WEIGHTS_COLUMN_TILES", 2)  # (several programs a chunk, the last short)
+    kwargs, ref_grad = build_case(case, 150, 40, dtype, seed=4), dtype == torch.bfloat16
+    if dtype == torch.bfloat16:
+        def grad_output(loss):
+            return torch.full_like(loss, 0.7)
 
-    resident, launched = [], launcher.Launch.__call__
+        shipped = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, ref_grad, reduction="sum")
+    launches, launched = [], launcher.Launch.__call__
     monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (
-        resident.append(launch.constexprs["RESIDENT_D"]) if "RESIDENT_D" in launch.constexprs else None,
-        launched(launch, *args))[1])
+        launches.append((launch.kernel.fn.__name__, dict(launch.constexprs))), launched(launch, *args))[1])
     with triton_internals.tiles(triton_internals.resident_tiles()):
-        check_against_reference("triton", build_case(case, 37, 40, dtype, seed=4), dtype, "sum", device=DEVICE,
-                                ref_grad=dtype == torch.bfloat16)
-    assert resident and all(d == 64 for d in resident)
+        if dtype == torch.float16:
+            check_against_reference("triton", kwargs, dtype, "sum", device=DEVICE, ref_grad=ref_grad)
+        else:
+            loss, grads = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, ref_grad, reduction="sum")
+            assert_close(loss, shipped[0], 1e-2)
+            for g, expected in zip(grads, shipped[1]):
+                assert_close(g, expected, 1e-2)
+    negatives = [c for name, c in launches if name == "negatives_kernel"]
+    weights = [c for name, c in launches if name == "weights_kernel" and not c["RANGE_TILES"]]
+    assert negatives and all(c["RESIDENT_D"] == 64 for c in negatives)
+    assert weights and all(c["RESIDENT_D"] == 64 and c["COLUMN_TILES"] > 1 for c in weights)
+    assert any(c["BOTH_LIFTS"] for c in weights) == case.startswith("self")  # (the triangle)
 
 
 @pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk192", "192"),

@@ -185,7 +185,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         chunk_bytes = 0  # (cuBLAS refuses float32 results of float16 products then: the fused form instead)
     copy, triangle = ref is not None and ref_grad, False
     if chunk_bytes:
-        tiles = launcher.tile_config("weights", a.dtype, dim, interpret, capability)
+        # (a table may give the weights launches COLUMN_TILES and RESIDENT_D: weights_kernel; the shipped one does not)
+        tiles = {"COLUMN_TILES": 1, "RESIDENT_D": 0,
+                 **launcher.tile_config("weights", a.dtype, dim, interpret, capability)}
         triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
         triangle_tiles = tiles.pop("TRIANGLE_TILES", {})
         rectangles, triangle = chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
@@ -346,13 +348,15 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
                         row_end=end)
             # (identities: the range launch's; with a bank's scales, the registers capped where two programs
             # share a multiprocessor, which a Hopper program fits without spilling; 255 is PTX's most)
-            steps.append(Launch(weights_kernel, (cdiv(cols, tiles["BLOCK_N"]), cdiv(end - begin, tiles["BLOCK_M"])),
+            steps.append(Launch(weights_kernel, (cdiv(cols, tiles["BLOCK_N"] * tiles["COLUMN_TILES"]),
+                                                 cdiv(end - begin, tiles["BLOCK_M"])),
                                 part, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps, stages,
                                 min(TWO_PROGRAMS_REGISTERS // (32 * warps), 255) if tiles["B_SCALES"] else None))
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = launcher.split_config(range_tiles)
             steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,
-                                dict(tiles, **range_config, RANGE_TILES=True), range_warps, range_stages))
+                                dict(tiles, **range_config, RANGE_TILES=True, COLUMN_TILES=1, RESIDENT_D=0),
+                                range_warps, range_stages))
         if triangle:
             steps.append(Product(w[:, :cols], a_unlifted[col_begin:], grad_x[row_begin:row_end],
                                  unlift[row_begin:row_end], accumulate=chunk > 0))

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from .pairs import (anchor_counts, anchor_stats, anchor_terms, column_range, load_keys, negative_offset,
-                    negative_weights, pair_classes, pair_tile, scaled_weights, set_flags, similarity_tile)
+                    negative_weights, pair_classes, pair_tile, resident_rows, scaled_weights, set_flags,
+                    similarity_tile)
 
 
 @triton.jit
@@ -171,16 +172,18 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                   col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr,
                   SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr,
                   LABEL_FREE: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """weights_kernel's work on one tile: H of the rows against the columns, lifted, stored."""
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None,
+                  RESIDENT_D: tl.constexpr = 0):
+    """weights_kernel's work on one tile: H of the rows against the columns, lifted, stored (a_rows,
+    RESIDENT_D: pairs.similarity_tile's)."""
     if LABEL_FREE:
         s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                            PRECISION)
+                            PRECISION, a_rows, RESIDENT_D)
     else:
         label_i, id_i = load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
         s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, label_i,
                                           id_i, cols, col_ok, dim, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                          PRECISION)
+                                          PRECISION, a_rows, RESIDENT_D)
     minpos_i, maxneg_i, lp_i, ln_i, scale_i = anchor_terms(
         stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
     if B_ANCHORS:
@@ -216,7 +219,8 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                    MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr,
                    BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                    RANGE_TILES: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, COLUMN_TILES: tl.constexpr,
+                   RESIDENT_D: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in grad_kernel; the rows of a are anchors, and so are
     b's when B_ANCHORS), lifted, written in the input dtype to w[rows - row_begin, cols - col_begin] for
     cuBLAS products (`Product`), the columns up to the buffer's padded row length w_stride. The lift: each
@@ -230,7 +234,9 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     program (t, k) walks tiles t, t + RANGE_PROGRAMS, ... of row block k's range (range_ptr, for its
     BLOCK_M; row blocks counted from row 0, row_begin a whole number of them) within the chunk's columns
     and writes their weights classified. So the padding past col_end holds weights of zero-padded
-    columns: cuBLAS never reads it."""
+    columns: cuBLAS never reads it. Outside RANGE_TILES a program takes COLUMN_TILES column tiles one
+    after another (grid: blocks of BLOCK_N * COLUMN_TILES columns), with RESIDENT_D (not 0) on its rows
+    loaded once and kept (pairs.resident_rows), so that each tile reads only its columns."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if RANGE_TILES:  # (whole tiles: the columns past the range's end get their weights again, classified)
@@ -247,11 +253,23 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                           MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, B_SCALES, BLOCK_M, BLOCK_N,
                           BLOCK_K, UPCAST, PRECISION)
-    else:
+    elif COLUMN_TILES == 1:
         cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
                       scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                       row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                       MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M, BLOCK_N,
                       BLOCK_K, UPCAST, PRECISION)
+    else:
+        a_rows = None
+        if RESIDENT_D:
+            a_rows = resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D, UPCAST)
+        first = col_begin + tl.program_id(0) * (BLOCK_N * COLUMN_TILES)
+        for start in range(first, tl.minimum(first + BLOCK_N * COLUMN_TILES, col_end), BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
+                          scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
+                          row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
+                          MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M,
+                          BLOCK_N, BLOCK_K, UPCAST, PRECISION, a_rows, RESIDENT_D)
 
