@@ -87,9 +87,9 @@ def main():
                                                          BLOCK_K=block_k), num_warps=warps, num_stages=stages,
                                          max_registers=None)  # (the shipped cap is for the shipped warps)
             c = launch.constexprs
-            kept = f" (rows of {c['RESIDENT_D']} kept)" if c.get("RESIDENT_D") else ""
-            kept += f" x {c['COLUMN_TILES']} a program" if c.get("COLUMN_TILES", 1) > 1 else ""
-            shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_K']}{kept}, {launch.num_warps} warps, "
+            depth = f" (rows of {c['RESIDENT_D']} kept)" if c.get("RESIDENT_D") else f" x {c['BLOCK_K']}"
+            depth += f" x {c['COLUMN_TILES']} a program" if c.get("COLUMN_TILES", 1) > 1 else ""
+            shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']}{depth}, {launch.num_warps} warps, "
                      f"{launch.num_stages} stages" + (f", {launch.max_registers} at most" if launch.max_registers
                                                       else ""))
             registers, spills, instructions, wgmma = resources(launch, args.cc)

@@ -3,11 +3,12 @@ triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's
 triton-fp16x3 and triton-resident, and the chunked backward's cuBLAS products, for triton-split.
 
 triton-resident asks whether the forward's negatives kernel and the chunked backward's weights are
-bound by the operand bytes their tiles read from L2. Its 128 x 128 tiles read 256 KiB at D = 512 in 16 bits, 16 bytes a pair; the kernel
-and the chunked backward's weights both read about 6.5 TB/s of operands in the last H100 profile;
-their instructions a pair differ in the same ratio as their bytes a pair, so that profile cannot
-tell the two limits apart (docs/triton.md, "Operand traffic"). With the rows resident a tile reads
-only its 32 columns, 8 bytes a pair; a weights program, which holds one tile, walks several.
+bound by the operand bytes their tiles read from L2: both read about 6.5 TB/s of operands in the
+last H100 profile, 16 and 32 bytes a pair. Nsight Compute put an earlier build of the negatives
+kernel at 37% of L2's peak, and an earlier variant that read all of D in one block gained nothing
+(docs/triton.md, "Operand traffic of the negatives pass"), so a small gain would not surprise. With
+the rows resident a tile reads only its 32 columns, 8 bytes a pair; a weights program, which holds
+one tile, walks several.
 
 triton-fp16x3 asks whether the float32 S tiles should take float16 tensor cores. Their shipped form,
 "tf32x3", is three TF32 products. "fp16x3" is three float16 products of unit rows split into a float16
@@ -70,11 +71,12 @@ WEIGHTS_COLUMN_TILES = 8  # triton-resident's weights programs: 8 column tiles o
 
 def resident_tiles(table=None):
     """`table` (the shipped tile table unless given) with the forward's negatives kernel on resident rows
-    (triton-resident; 16-bit rows of D <= 512 on sm_90 and later, whose 227 KiB of shared memory a
-    program holds them in): each program loads its 128 rows once, keeps them and takes 128 x 32 column
-    tiles, 2 stages (192 KiB of shared memory at D = 512), so that each tile reads only its columns.
-    The same for the chunked backward's weights (the triangle's too), each program taking
-    WEIGHTS_COLUMN_TILES tiles one after another where the shipped ones take one."""
+    (triton-resident; 16-bit rows of D <= 512 on sm_90 and sm_100, whose 227 KiB of shared memory a
+    program holds them in, where sm_80 and sm_120 have 163 and 99): each program loads its 128 rows
+    once, keeps them and takes 128 x 32 column tiles, 2 stages (192 KiB of shared memory at D = 512),
+    so that each tile reads only its columns. The same for the chunked backward's weights (the
+    triangle's too), each program taking WEIGHTS_COLUMN_TILES tiles one after another where the
+    shipped ones take one."""
     import torch
 
     from ms_loss_cuda.triton_kernels import launcher
@@ -83,7 +85,8 @@ def resident_tiles(table=None):
 
     def config(kind, dtype, dim, interpret=launcher.INTERPRETED, capability=(9, 0)):
         entry = table(kind, dtype, dim, interpret, capability)
-        if kind not in ("forward", "weights") or dtype == torch.float32 or dim > 512 or capability < (9, 0):
+        if kind not in ("forward", "weights") or dtype == torch.float32 or dim > 512 or \
+                not (9, 0) <= capability < (12, 0):
             return entry
         resident = dict(BLOCK_N=32, num_stages=2, RESIDENT_D=launcher.pow2_at_least_16(dim))
         if kind == "forward":

@@ -10,7 +10,6 @@ keeps these rules (the Triton backend's eager call is one autograd node).
 """
 import inspect
 import math
-import operator
 
 import torch
 
@@ -19,8 +18,13 @@ GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton a
 REDUCTIONS = ("mean", "sum", "none")
 # the hyper-parameters every backend takes, in the order of the fused ops' schema (csrc/ms_loss_schema.h)
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
-# their values in that order, a tuple, from a dict of checked options (one C call: this runs at every step)
-hyper_parameters_of = operator.itemgetter(*HYPER_PARAMETERS)
+
+
+def hyper_parameters_of(options):
+    """The values of HYPER_PARAMETERS in that order, a tuple, from a dict of checked options (written out:
+    this runs at every step, and torch.compile traces it, which it cannot through operator.itemgetter)."""
+    return (options["alpha"], options["beta"], options["base"], options["epsilon"], options["mining"],
+            options["skip_incomplete_anchors"])
 
 
 # ---- dtype rules ------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     # (NEGATIVES_TILES: the negatives kernel's own BLOCK_N, warps, stages or RESIDENT_D, never its BLOCK_M; the
     # shipped table has none)
     negatives_tiles = config.pop("NEGATIVES_TILES", {})
+    assert "BLOCK_M" not in negatives_tiles, "the negatives kernel's row blocks are the forward's (their ranges)"
     row_programs = cdiv(num_x, config["BLOCK_M"])
     launches, labels_given = [], a_labels
     if ref is None:  # one sort of the labels, kept in stats for the backward; the rows in label order too

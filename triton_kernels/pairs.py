@@ -134,6 +134,7 @@ def resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl
 def _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISION: tl.constexpr):
     """similarity_tile's with the rows kept (`resident_rows`): one product over all of D."""
+    tl.static_assert(PRECISION != "fp16x3", "resident rows take one product: not fp16x3's three")
     kd = tl.arange(0, RESIDENT_D)
     b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + kd[:, None], mask=col_ok[None, :] & (kd[:, None] < dim),
                   other=0.0)
