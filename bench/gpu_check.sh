@@ -31,7 +31,8 @@
 #     racecheck, synccheck on small cases of every kernel, the triton backend's fused and chunked
 #     backward both), tune (bench/tune_triton.py: the Triton tile sweep, about 1.5 minutes a dtype;
 #     TUNE_KINDS=backward skips the forward's, TUNE_DTYPES=float16 the other dtypes, TUNE_CANDIDATES=1 all
-#     fused-backward and forward tiles but the shipped ones (the chunked backward's are all timed); a later
+#     fused-backward and forward tiles but the shipped ones (the chunked backward's are all timed),
+#     TUNE_SHAPES=1 the bank and gathered-batch shapes (the winners are the self case's); a later
 #     bench-float16 of the same DIR adds the triton-tuned providers), profile (Nsight Compute on one
 #     float16 step of each fused backend at B = 16384; PROFILE_BACKENDS=triton: that one alone, which needs
 #     no build), experiment (bench/kanji_experiment.py --device cuda, EXPERIMENT_JOBS (default 14, all)
@@ -134,7 +135,7 @@ for step in $STEPS; do
     done ;;
   tune)
     run_step tune 900 $PY bench/tune_triton.py --kinds ${TUNE_KINDS:-forward backward} \
-      --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --candidates ${TUNE_CANDIDATES:-8} --out "$DIR/tune.json" ;;
+      --dtypes ${TUNE_DTYPES:-float16 bfloat16 float32} --candidates ${TUNE_CANDIDATES:-8} --shapes ${TUNE_SHAPES:-3} --out "$DIR/tune.json" ;;
   bench)  # (all five in this order; each can also be named alone)
     for sub in bench-float16 bench-float32 bench-xbm bench-graphs bench-chunks; do bench_step $sub; done ;;
   bench-*) bench_step "$step" ;;

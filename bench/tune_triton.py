@@ -167,13 +167,15 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
     parser.add_argument("--kinds", nargs="+", default=["forward", "backward"], choices=("forward", "backward"))
     parser.add_argument("--candidates", type=int, default=8, help="the first N of each list")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES),
+                        help="the first N of SHAPES for the first dtype (1: the self case, where winners are picked)")
     args = parser.parse_args()
     hyper = (2.0, 50.0, 0.5, 0.1, True, False)
     records = []
     for name in args.dtypes:
         dtype = getattr(torch, name)
         group = "float32" if dtype == torch.float32 else "16-bit"
-        for batch, ref_rows, ref_grad in SHAPES[:len(SHAPES) if name == args.dtypes[0] else 1]:
+        for batch, ref_rows, ref_grad in SHAPES[:args.shapes if name == args.dtypes[0] else 1]:
             operands = inputs(batch, ref_rows, 512, dtype)
             for kind, candidates in (("forward", FORWARD[group]), ("backward", BACKWARD[group])):
                 if kind not in args.kinds:
