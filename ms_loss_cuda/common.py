@@ -21,10 +21,9 @@ HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomple
 
 
 def hyper_parameters_of(options):
-    """The values of HYPER_PARAMETERS in that order, a tuple, from a dict of checked options (written out:
-    this runs at every step, and torch.compile traces it, which it cannot through operator.itemgetter)."""
-    return (options["alpha"], options["beta"], options["base"], options["epsilon"], options["mining"],
-            options["skip_incomplete_anchors"])
+    """The values of HYPER_PARAMETERS in that order, a tuple, from a dict of checked options (torch.compile
+    traces this; it cannot trace operator.itemgetter)."""
+    return tuple([options[name] for name in HYPER_PARAMETERS])
 
 
 # ---- dtype rules ------------------------------------------------------------------------------
