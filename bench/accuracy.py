@@ -23,7 +23,7 @@ import torch
 
 import ms_loss_cuda
 from providers import make_inputs  # (bench/, this script's folder)
-from triton_internals import fp16x3_tiles, split_products, tiles
+from triton_internals import fp16x3_tiles, tiles
 
 
 def loss_and_grad(x, labels, ref, ref_labels, backend, scale=1.0):
@@ -60,19 +60,13 @@ def main():
                         help="torch.set_float32_matmul_precision for the float32 runs (highest is torch's default)")
     parser.add_argument("--grad-scale", type=float, default=1024.0,
                         help="the 16-bit runs' grad_output (a loss scale; the gradient is divided by it)")
-    parser.add_argument("--split-products", action="store_true",
-                        help="triton: its float32 backward's products as three TF32 products"
-                             " (bench/triton_internals.py)")
     parser.add_argument("--fp16x3", action="store_true",
                         help="triton: its float32 S tiles as three float16 products (bench/triton_internals.py)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
 
     shapes = [(b, None) for b in args.sizes] + [(args.bank_batch, r) for r in args.bank]
-    variant = ", ".join(name for name, on in (("float32 S tiles as fp16x3", args.fp16x3),
-                                              ("float32 backward products split into TF32 parts", args.split_products))
-                        if on)
-    variant = f" ({variant})" if variant else ""
+    variant = " (float32 S tiles as fp16x3)" if args.fp16x3 else ""
     lines = [f"{args.backend}{variant} against the float64 reference, D = {args.dim}, {args.device} "
              f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}",
@@ -87,8 +81,6 @@ def main():
             with contextlib.ExitStack() as variants:  # (the reference backend has no tiles or products to vary)
                 if args.fp16x3:
                     variants.enter_context(tiles(fp16x3_tiles()))
-                if args.split_products:
-                    variants.enter_context(split_products())
                 e = errors(args.backend, getattr(torch, dtype), batch, ref_rows, args.device, args.dim, scale)
             shape = f"{batch}" if ref_rows is None else f"{batch} x {ref_rows}"
             lines.append(f"{name:<18} {shape:>16} {e['loss']:>9.2g} {e['grad_max']:>9.2g} {e['grad_norm']:>9.2g}"

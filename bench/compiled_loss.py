@@ -18,10 +18,15 @@ def dense_ms_loss(x, labels, ref=None, ref_labels=None, alpha=2.0, beta=50.0, ba
     self_case = ref is None
     ref, ref_labels = (x, labels) if self_case else (F.normalize(ref, dim=1), ref_labels)
     s = (x @ ref.T).to(torch.promote_types(x.dtype, torch.float32))  # exponents and sums: float32 at least
+    return loss_of_similarities(s, labels, ref_labels, self_case, alpha, beta, base, epsilon, mining)
+
+
+def loss_of_similarities(s, labels, ref_labels, self_case, alpha=2.0, beta=50.0, base=0.5, epsilon=0.1, mining=True):
+    """dense_ms_loss from the similarities s [B, R] of unit rows (self_case: of the batch with itself)."""
     same = labels[:, None] == ref_labels[None, :]
     pos, neg = same, ~same
     if self_case:
-        pos = pos & ~torch.eye(len(x), dtype=torch.bool, device=x.device)
+        pos = pos & ~torch.eye(len(s), dtype=torch.bool, device=s.device)
     if mining:  # against each anchor's hardest negative / positive, the similarities taken as constants
         sd = s.detach()
         hardest_neg = sd.masked_fill(~neg, float("-inf")).amax(dim=1, keepdim=True)

@@ -6,15 +6,15 @@
 # (bench/results/gpu/h100/gpu-check-env.txt). Steps:
 #   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
 #     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
-#     and bfloat16; then float32 with the variants of triton-fp16x3-split (accuracy-variants.txt);
+#     and bfloat16; then float32 with triton-fp16x3's S tiles (accuracy-variants.txt);
 #   bench: the speed targets side by side, D = 512, as five parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
 #       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
 #       triton-resident (the forward's negatives kernel on resident rows), compiled (torch.compile of the
 #       dense loss), pml;
-#     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-split (the backward's
-#       products as three TF32 products), triton-fp16x3 (the S tiles as three float16 products) and
-#       triton-fp16x3-split (bench/triton_internals.py), compiled, pml;
+#     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-unsplit (the backward's
+#       products in float32, without their float16 pieces) and triton-fp16x3 (the S tiles as three
+#       float16 products; bench/triton_internals.py), compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
 #     bench-chunks: the chunked backward's budget, float16 B = 8192, 16384, 65536 and the 262144-row bank for
@@ -86,7 +86,7 @@ bench_step() {  # one of the bench step's parts (see the header)
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
-      --providers matmul4 triton triton-split triton-fp16x3 triton-fp16x3-split compiled pml --repeats 5 \
+      --providers matmul4 triton triton-unsplit triton-fp16x3 compiled pml --repeats 5 \
       --out "$DIR/bench-float32" ;;
   bench-xbm)
     for dtype in float16 float32; do
@@ -146,7 +146,7 @@ for step in $STEPS; do
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"
     run_step accuracy-variants 60 $PY bench/accuracy.py --device cuda --sizes 16384 --bank 262144 --dtypes float32 \
-      --fp16x3 --split-products --out "$DIR/accuracy-variants.txt" ;;
+      --fp16x3 --out "$DIR/accuracy-variants.txt" ;;
   host)
     for batch in 1024 16384; do  # (the self case at B and a bank of 262144 rows)
       run_step "host-time-$batch" 120 $PY bench/host_time.py --device cuda --batch $batch --ref-rows 262144 \

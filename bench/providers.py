@@ -13,9 +13,9 @@ the triton step on the winners of bench/tune_triton.py's sweep at B = 16384 for 
 tiles and backward form, so that one GPU call can sweep and time them beside the shipped entries),
 `compiled` (the dense MS loss and miner written plainly in torch, bench/compiled_loss.py, under
 torch.compile: what a user writes instead of this library), `pml` (pytorch-metric-learning's
-MultiSimilarityLoss + MultiSimilarityMiner), `triton-split` (float32: the chunked backward's cuBLAS
-products as three TF32 products of split operands), `triton-fp16x3` (float32: the S tiles as three
-float16 products of split unit rows), `triton-fp16x3-split` (both), `triton-resident` (16-bit: the
+MultiSimilarityLoss + MultiSimilarityMiner), `triton-unsplit` (float32: the chunked backward's cuBLAS
+products in float32, without their float16 pieces), `triton-fp16x3` (float32: the S tiles as three
+float16 products of split unit rows), `triton-resident` (16-bit: the
 negatives and weights kernels on rows loaded once and kept; bench/triton_internals.py), and
 `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
@@ -29,7 +29,7 @@ import os
 
 TRITON = ("triton", "triton-direct", "triton-graph", "triton-fused", "triton-fused-graph")
 TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
-SPLIT = ("triton-split", "triton-fp16x3", "triton-fp16x3-split")  # on request: float32's alone differ from triton
+SPLIT = ("triton-unsplit", "triton-fp16x3")  # on request: float32's alone differ from triton
 BUDGETS = {"triton-chunk192": "192", "triton-chunk128": "128"}  # on request: MS_LOSS_TRITON_CHUNK_MB
 RESIDENT = ("triton-resident",)  # on request
 COMPILED = ("compiled", "compiled-graph")
@@ -48,11 +48,10 @@ PROVIDER_HELP = {
                      " (MS_LOSS_CUDA_GRAPHS=0)",
     "triton-fused": "the Triton backend with its fused backward (MS_LOSS_TRITON_CHUNK_MB=0)",
     "triton-tuned": "the Triton backend on the winners of bench/tune_triton.py's sweep (--tuned)",
-    "triton-split": "the Triton backend, its float32 backward's cuBLAS products as three TF32 products of split"
-                    " operands (bench/triton_internals.py)",
+    "triton-unsplit": "the Triton backend, its float32 backward's cuBLAS products in float32, without their"
+                      " float16 pieces (bench/triton_internals.py)",
     "triton-fp16x3": "the Triton backend, its float32 S tiles as three float16 products of split unit rows"
                      " (bench/triton_internals.py)",
-    "triton-fp16x3-split": "triton-fp16x3 and triton-split together",
     "triton-resident": "the Triton backend, its negatives and weights kernels on rows loaded once and kept for"
                        " every column tile, which then reads only its columns (bench/triton_internals.py)",
     "triton-chunk192": "the Triton backend's chunked backward at 192 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=192)",
@@ -134,13 +133,15 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
 
             table = resident_tiles()
             return within(step, lambda: tiles(table))
-        if provider in SPLIT:
-            from triton_internals import fp16x3_tiles, split_products, tiles, within
+        if provider == "triton-fp16x3":
+            from triton_internals import fp16x3_tiles, tiles, within
 
-            if provider.startswith("triton-fp16x3"):
-                table = fp16x3_tiles()
-                step = within(step, lambda: tiles(table))
-            return within(step, split_products) if provider.endswith("-split") else step
+            table = fp16x3_tiles()
+            return within(step, lambda: tiles(table))
+        if provider == "triton-unsplit":
+            from triton_internals import unsplit_products, within
+
+            return within(step, unsplit_products)
     return step
 
 

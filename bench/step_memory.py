@@ -1,10 +1,11 @@
 """The memory of one eager triton step with a GPU's launch plans, measured on CPU, for this checkout
 and others side by side: the peak of the bytes allocated above the inputs during one forward +
-backward of the mean loss (float16, D = 512, P x 4 batches of typical hardness).
+backward of the mean loss (float16 unless --dtype says, D = 512, P x 4 batches of typical hardness).
 
 The step is bench/host_time.py's CPU stand-in with its launches dropped: every tensor the plans and
 torch's ops allocate is allocated as on a GPU (the launches only write them), and each cuBLAS
-product allocates its float32 result, as torch's product does. torch's profiler records every
+product allocates its float32 result, as torch's product does (a product of float16 pieces, two of
+them at a time). torch's profiler records every
 allocation and free (profile_memory); their running sum gives the peak. A GPU adds cuBLAS's
 workspace (32 MiB on Hopper) and its caching allocator's rounding: on an H100 a step without replay
 peaked 32 MiB above what this gives for the same plans at B = 4096 and 16384 (docs/benchmarks.md).
@@ -40,7 +41,25 @@ def peak_of(step, x):
     return peak / MIB, allocated / MIB
 
 
-def serve(root, batch, bank_rows, budget, dim):
+def stand_in_products(backward):
+    """The chunked backward's products (backward.Product) in memory only: cuBLAS's float32 results,
+    allocated as its products allocate them and left unwritten (a product of float16 pieces runs
+    its own steps, each product a result of its rows)."""
+    import torch
+
+    def result(w, b):
+        return torch.empty(w.shape[0], b.shape[1], dtype=torch.float32)
+
+    shipped = backward.Product.__call__
+    if not hasattr(backward, "_float32_product"):  # (an older checkout: one result a product)
+        backward.Product.__call__ = lambda product: result(product.w, product.b)
+        return
+    backward._float32_product = result
+    backward.Product.__call__ = lambda product: (result(product.w, product.b) if product.w.dtype == torch.float32
+                                                 else shipped(product))
+
+
+def serve(root, batch, bank_rows, budget, dim, dtype):
     """A worker: the step on the checkout `root`; prints {"direct": MiB, "replayed": MiB} as JSON."""
     from host_time_versus import import_checkout
 
@@ -54,10 +73,10 @@ def serve(root, batch, bank_rows, budget, dim):
     from ms_loss_cuda.triton_kernels import backward
 
     cpu_stand_in("stubbed")
-    backward.Product.__call__ = lambda product: torch.empty(product.w.shape[0], product.b.shape[1],
-                                                            dtype=torch.float32)  # (cuBLAS's result)
+    stand_in_products(backward)
     x, labels, ref, ref_labels = make_inputs(batch, dim, HARDNESS["typical"], bank_rows, "cpu")
-    x, ref = x.half().requires_grad_(), None if ref is None else ref.half()
+    dtype = getattr(torch, dtype)
+    x, ref = x.to(dtype).requires_grad_(), None if ref is None else ref.to(dtype)
 
     def step(x):
         ms_loss_cuda.multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
@@ -86,12 +105,13 @@ def main():
     parser.add_argument("--bank-batch", type=int, default=1024)
     parser.add_argument("--budgets", type=float, nargs="+", default=[256], help="MS_LOSS_TRITON_CHUNK_MB values")
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--out")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         root, batch, bank_rows, budget = args.serve
-        return serve(root, int(batch), None if bank_rows == "-" else int(bank_rows), budget, args.dim)
+        return serve(root, int(batch), None if bank_rows == "-" else int(bank_rows), budget, args.dim, args.dtype)
     if not args.checkouts:
         parser.error("name at least one checkout")
     from host_time import report
@@ -99,13 +119,13 @@ def main():
 
     shapes = [(b, None) for b in args.sizes] + [(args.bank_batch, r) for r in args.bank]
     lines = [f"memory of one eager triton step with a GPU's plans, measured on CPU (bench/step_memory.py): MiB above "
-             f"the inputs, float16, D = {args.dim}, 'mean'; direct: the step's peak without replay; replayed: "
+             f"the inputs, {args.dtype}, D = {args.dim}, 'mean'; direct: the step's peak without replay; replayed: "
              f"what a replayed step allocates outside its graph's memory; cuBLAS's workspace not included"]
     for root in map(os.path.abspath, args.checkouts):
         lines.append(f"  {root}: {revision(root)}")
         for (batch, bank_rows), budget in ((shape, budget) for shape in shapes for budget in args.budgets):
             command = [sys.executable, __file__, "--serve", root, str(batch), str(bank_rows or "-"),
-                       f"{budget:g}", "--dim", str(args.dim)]
+                       f"{budget:g}", "--dim", str(args.dim), "--dtype", args.dtype]
             done = subprocess.run(command, capture_output=True, text=True, cwd=HERE,
                                   env=dict(os.environ, PYTHONPATH=HERE, OMP_NUM_THREADS="1"))
             if done.returncode:

@@ -1,6 +1,6 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
 triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep),
-triton-fp16x3 and triton-resident, and the chunked backward's cuBLAS products, for triton-split.
+triton-fp16x3 and triton-resident, and the chunked backward's choice of products, for triton-unsplit.
 
 triton-resident asks whether the forward's negatives kernel and the chunked backward's weights are
 bound by the operand bytes their tiles read from L2: both read about 6.5 TB/s of operands in the
@@ -17,13 +17,12 @@ rate, and compiled for sm_90 the kernels issue half the wgmma instructions, with
 (bench/kernel_resources.py --dtype float32 --precision fp16x3). It is valid for rows of magnitude at
 most 1, as the loss's own normalisation makes them.
 
-triton-split asks whether the float32 backward's products should leave CUDA cores. Under torch's
-default float32 precision ("highest") they are IEEE float32 products, which an H100 runs at about a
-tenth of its TF32 rate. triton-split computes each as three TF32 products instead: every operand is
-split into a TF32 high part and the float32 rest, and hi hi + hi lo + lo hi is summed in float32.
-This drops only lo lo (2^-22 of the product) and the rest's rounding to TF32, which is about the
-error of a float32 product, as the kernels' own "tf32x3" tiles have. It costs two more buffers of a
-chunk's size, and the elementwise passes that split them.
+triton-unsplit measures what the float32 backward gains from its products' float16 pieces. Under
+torch's default float32 precision ("highest") the chunked backward writes float32 unit rows and their
+weights as float16 high parts and scaled rests (backward.split_products), and cuBLAS multiplies them
+as three float16 products on tensor cores. triton-unsplit turns that off: float32 weights and one
+cuBLAS float32 product each, which torch runs on CUDA cores under "highest" (about 50 TFLOP/s on an
+H100, against several hundred for float16).
 """
 import contextlib
 import json
@@ -43,7 +42,7 @@ def tiles(table):
 
 
 def within(step, context):
-    """`step`, each call of it within `context()` (`tiles(table)`, `split_products()`, ...)."""
+    """`step`, each call of it within `context()` (`tiles(table)`, `unsplit_products()`, ...)."""
     def run(x):
         with context():
             step(x)
@@ -112,39 +111,14 @@ def tuned_from(path, dtype):
     return tune_triton.tuned_table(found), {kind: repr(config) for kind, config in found.items()}
 
 
-def tf32_parts(t):
-    """(hi, lo) of a float32 tensor: hi its values rounded to TF32's 10-bit mantissa (to nearest, on the
-    bits), lo = t - hi, exact in float32."""
-    import torch
-
-    hi = ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
-    return hi, t - hi
-
-
 @contextlib.contextmanager
-def split_products():
-    """Within: the chunked backward's float32 products (backward.Product) under "highest" computed as
-    three TF32 products of split operands (the module's docstring)."""
-    import torch
-
+def unsplit_products():
+    """Within: the chunked backward's float32 products as one float32 cuBLAS product each, without the
+    float16 pieces (the module's docstring)."""
     from ms_loss_cuda.triton_kernels import backward
 
-    shipped = backward.Product.__call__
-
-    def split_product(product):
-        if product.w.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
-            return shipped(product)
-        (w_hi, w_lo), (b_hi, b_lo) = tf32_parts(product.w), tf32_parts(product.b)
-        matmul, allowed = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
-        matmul.allow_tf32 = True
-        try:
-            result = (w_hi @ b_hi).addmm_(w_hi, b_lo).addmm_(w_lo, b_hi)
-        finally:
-            matmul.allow_tf32 = allowed
-        product.put(result)
-
-    backward.Product.__call__ = split_product
+    shipped, backward.split_products = backward.split_products, lambda dtype, unit_rows: False
     try:
         yield
     finally:
-        backward.Product.__call__ = shipped
+        backward.split_products = shipped

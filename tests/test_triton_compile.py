@@ -57,16 +57,20 @@ def test_every_kernel_compiles_for_both_targets(records):
     # the normalisation (no float32-tf32 variant)
     rows = {"unit_rows_kernel", "unit_rows_kernel[norms]", "unit_rows_grad_kernel", "stored_rows_kernel"}
     rows |= {f"unit_rows_grad_kernel[{rows}]{out}" for rows in ("ordered", "float32") for out in ("", "[to_float32]")}
+    # float32 unit rows under "highest": the chunked backward's weights and rows as float16 pieces
+    split = {"split_rows_kernel", "split_rows_kernel[undivided]"}
+    split |= {name + "[split]" for name in kernels if name.startswith("weights_kernel")}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == \
-                kernels | (set() if dtype.endswith("-tf32") else rows) | (bank if dtype == "float16" else set())
+                kernels | (set() if dtype.endswith("-tf32") else rows) | (bank if dtype == "float16" else set()) \
+                | (split if dtype == "float32" else set())
 
 
 def test_every_product_uses_tensor_cores(records):
     products = [r for r in records  # (the label order, finish, scales and row kernels have no product)
                 if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "divided_rows",
-                                               "stored_rows"))]
+                                               "split_rows", "stored_rows"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

@@ -32,7 +32,7 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16:
                  torch.int32: "*i32"}
 DIMS = (3, 32, 64, 130, 512)  # every (BLOCK_K, BLOCK_D) the table gives, with and without divisibility by 16
 ROW_KERNEL_DIMS = (130, 512)  # the row kernels: a masked and a whole block of columns
-PLAN_ROW_KERNELS = ("label_order_kernel", "divided_rows_kernel")  # (the plans' row kernels: at those D only)
+PLAN_ROW_KERNELS = ("label_order_kernel", "divided_rows_kernel", "split_rows_kernel")  # (the plans' row kernels: at those D only)
 ROWS, REF_ROWS = 4096, 1000
 
 
@@ -82,14 +82,17 @@ def launches(dtype_name, dim, mining, skip, cc):
             *_, backward = backward_plan(torch.ones(ROWS), stats, x, labels, i, r, rl, None, *hyper, interpret=False,
                                          capability=capability, **bank)
         chunked = []
-        for mib in ("64", "16"):  # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
+        # (float32 unit rows under "highest": the products' float16 pieces, at the row kernels' D)
+        unit_rows = (False, True) if dtype_name == "float32" and dim in ROW_KERNEL_DIMS else (False,)
+        for mib, unit in ((mib, unit) for mib in ("64", "16") for unit in unit_rows):
+            # (self case: one chunk of whole rows; the triangle's chunks of 2048 or 1024 rows)
             with mock.patch.dict(os.environ, MS_LOSS_TRITON_CHUNK_MB=mib):
                 for ref_grad in (True, False) if ref_norms is None else (False,):
                     # (without: the eager loss's one gradient for all anchors, "mean")
                     grad = torch.ones(ROWS) if ref_grad else torch.ones(1).expand(ROWS)
                     chunked += backward_plan(grad, stats, x, labels, i, r, rl, None, *hyper, ref_grad=ref_grad,
                                              interpret=False, capability=capability, grad_divisor=ROWS,
-                                             ref_norms=ref_norms)[-1]
+                                             ref_norms=ref_norms, unit_rows=unit)[-1]
         for launch in forward + backward + chunked:
             if not isinstance(launch, Launch) or (launch.kernel.fn.__name__ in PLAN_ROW_KERNELS
                                                   and dim not in ROW_KERNEL_DIMS):
@@ -105,6 +108,8 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "[label_order]" if c.get("LABEL_ORDER") else ""
             name += "[range_tiles]" if c.get("RANGE_TILES") else ""
             name += "[ref_scales]" if c.get("REF_SCALES") or c.get("B_SCALES") else ""
+            name += "[split]" if c.get("SPLIT") else ""
+            name += "[undivided]" if c.get("DIVIDE") is False else ""
             found.setdefault(name, launch)  # (the launches the cases share are compiled once)
     return found
 

@@ -12,7 +12,7 @@ The self case runs in the forward's label order (operands.saved_label_order) and
 dx back in the caller's order at the end (`Reorder`). Every row of a gradient is summed in a fixed
 order: the same bits on every run.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -21,7 +21,7 @@ from .backward_kernels import grad_kernel, scales_kernel, weights_kernel
 from .launcher import INTERPRETED, Launch, cdiv
 from .operands import (block_ranges, check_beta, check_dtypes, check_ref_norms, column_splits, plan_operands,
                        saved_label_order, shared_identities)
-from .row_kernels import divided_rows_kernel, rows_launch
+from .row_kernels import divided_rows_kernel, rows_launch, split_rows_kernel
 
 
 class Unlift(NamedTuple):
@@ -50,28 +50,59 @@ class Reorder(NamedTuple):
 
 class Product(NamedTuple):
     """A step of the chunked backward: out (float32) = (w @ b) * unlift by cuBLAS, or out += that; the
-    rows of w come lifted (see scales_kernel) and `Unlift` made their unlift."""
+    rows of w come lifted (see scales_kernel) and `Unlift` made their unlift. With w_lo and b_lo, w and
+    b are float32 values as float16 pieces (pairs.float16_parts: w + w_lo / 2^11 and b + b_lo / 2^11),
+    multiplied as w b + (w b_lo + w_lo b) / 2^11: three float16 products where one float32 product
+    would run on CUDA cores, for each half of the rows in turn, so that its two float32 results at a
+    time take what one of all rows takes."""
     w: torch.Tensor
     b: torch.Tensor
     out: torch.Tensor
     unlift: torch.Tensor
     accumulate: bool
+    w_lo: Optional[torch.Tensor] = None
+    b_lo: Optional[torch.Tensor] = None
 
     def __call__(self):  # (under `run`'s no_grad and autocast off)
         if self.w.dtype == torch.float32:  # IEEE or TF32, as torch's float32 matmul precision says
-            product = self.w @ self.b
-        elif self.w.is_cuda:  # 16-bit tensor cores, float32 sums and result (torch >= 2.8)
-            product = torch.mm(self.w, self.b, out_dtype=torch.float32)
-        else:  # CPU tensors (the interpreter's tests): the same float32 sums of the 16-bit values
-            product = self.w.float() @ self.b.float()
-        self.put(product)
-
-    def put(self, product):
-        """out = product * unlift, or out += that: the float32 result of w @ b, however it was made."""
-        if self.accumulate:
-            self.out.addcmul_(product, self.unlift)
+            self.put(self.w @ self.b)
+        elif self.w_lo is None:
+            self.put(_float32_product(self.w, self.b))
         else:
-            torch.mul(product, self.unlift, out=self.out)
+            half = -(-self.w.shape[0] // 2)
+            for rows in (slice(0, half), slice(half, None)):
+                w, w_lo = self.w[rows], self.w_lo[rows]
+                rest = _float32_product(w, self.b_lo)
+                rest += _float32_product(w_lo, self.b)
+                self.put(_float32_product(w, self.b).add_(rest, alpha=2.0 ** -11), rows)
+
+    def put(self, product, rows=None):
+        """out = product * unlift, or out += that (with `rows`, in those rows of out): the float32 result
+        of w @ b (of those rows of w), however it was made."""
+        out, unlift = self.out, self.unlift
+        if rows is not None:
+            out, unlift = out[rows], unlift if unlift.shape[0] == 1 else unlift[rows]
+        if self.accumulate:
+            out.addcmul_(product, unlift)
+        else:
+            torch.mul(product, unlift, out=out)
+
+
+def _float32_product(w, b):
+    """w @ b of 16-bit matrices with float32 sums and result: on a GPU one cuBLAS call on tensor cores
+    (torch >= 2.8); on CPU tensors (the interpreter's tests) the same sums of the 16-bit values."""
+    if w.is_cuda:
+        return torch.mm(w, b, out_dtype=torch.float32)
+    return w.float() @ b.float()
+
+
+def _columns(w, first, last, split):
+    """(weights, rests) of columns [first, last) of a chunk's buffer view w: w's own (rests None), or
+    with `split` the float16 pieces of weights_kernel's SPLIT (each row its high parts, then its rests)."""
+    if not split:
+        return w[:, first:last], None
+    half = w.shape[1] // 2
+    return w[:, first:last], w[:, half + first:half + last]
 
 
 # ---- chunks --------------------------------------------------------------------------------------
@@ -141,7 +172,7 @@ def piece_rows(budget, dim):
 def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                   mining, skip_incomplete_anchors, ref_grad=True, interpret=INTERPRETED, multiprocessors=None,
                   capability=None, grad_divisor=1, float32=False, rows_in_label_order=None, reorder=True,
-                  ref_norms=None):
+                  ref_norms=None, unit_rows=False):
     """(grad_x, grad_ref or empty [0], launches that fill them) for the loss's gradient grad_loss /
     grad_divisor (the eager loss's "mean": grad_output expanded to [B], divided by B); no dref launch
     without ref_grad. The chunked backward's gradients are float32, the fused one's in the inputs'
@@ -155,7 +186,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     gradient, as they are, compared as unit rows (operands.check_ref_norms): S as the forward computes
     it (the rows times the reciprocals of their norms, B_SCALES), so that both mine the same pairs up
     to the last bits of S, and the products take its unit rows, which the chunked backward makes a
-    chunk at a time (`_chunked_plan`), the fused one whole."""
+    chunk at a time (`_chunked_plan`), the fused one whole. `unit_rows`: the rows of x and ref are unit
+    rows (the eager loss's under `normalize`): float32 ones then enter the chunked backward's products as
+    float16 pieces (`split_products`)."""
     check_dtypes(x, ref)
     check_beta(beta)
     check_ref_norms(x, ref, ref_norms)
@@ -184,6 +217,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     if a.dtype == torch.float16 and torch.backends.cuda.matmul.allow_fp16_accumulation:
         chunk_bytes = 0  # (cuBLAS refuses float32 results of float16 products then: the fused form instead)
     copy, triangle = ref is not None and ref_grad, False
+    split = bool(chunk_bytes) and split_products(a.dtype, unit_rows)
     if chunk_bytes:
         # (a table may give the weights launches COLUMN_TILES and RESIDENT_D: weights_kernel; the shipped one does not)
         tiles = {"COLUMN_TILES": 1, "RESIDENT_D": 0,
@@ -192,7 +226,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         triangle_tiles = tiles.pop("TRIANGLE_TILES", {})
         rectangles, triangle = chunk_rectangles(ref is None, num_x, b.shape[0], tiles,
                                                 a.element_size() * (1 + copy), chunk_bytes, triangle_rows,
-                                                dim if ref_norms is not None else 0)
+                                                dim if ref_norms is not None or (split and ref is not None) else 0)
         if triangle and tiles["BLOCK_M"] % triangle_tiles.get("BLOCK_M", 1) == 0:  # (its chunks are whole blocks)
             tiles.update(triangle_tiles)
     order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
@@ -231,7 +265,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                             b_ids_ptr=b_ids, copy_scale_ptr=column_lift, **label_order,
                             b_scale_ptr=norm if ref_norms is None else ref_norms[1])  # (read with B_SCALES only)
         tiles = dict(tiles, MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, B_ANCHORS=ref is None,
-                     BOTH_LIFTS=triangle, COPY=copy, B_SCALES=ref_norms is not None, **label_order_flags)
+                     BOTH_LIFTS=triangle, COPY=copy, B_SCALES=ref_norms is not None, SPLIT=split, **label_order_flags)
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
                                                 anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim),
                                                 ref_norms)
@@ -272,6 +306,17 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
         return grad_x, x.new_empty((0,)), steps + [launch_x]
     grad_ref, launch_ref = grad_launch(b, (b_labels, b_ids), a, (a_labels, a_ids), False, True)
     return grad_x, grad_ref, steps + [launch_x, launch_ref]
+
+
+def split_products(dtype, unit_rows):
+    """Whether the chunked backward's products take float32 rows as float16 pieces (weights_kernel's
+    SPLIT, split_rows_kernel, `Product`): under torch's float32 matmul precision "highest", where cuBLAS
+    would multiply float32 on CUDA cores, for unit rows only (the pieces hold values up to float16's
+    largest and keep a float32's precision down to about 2^-14; a unit row's weights are lifted into
+    that range, and its values lie in it but for entries too small to matter at the row's scale). Not
+    where torch lets float16 products accumulate in float16 (cuBLAS then refuses float32 results)."""
+    return (dtype == torch.float32 and unit_rows and launcher.float32_precision() == "tf32x3"
+            and not torch.backends.cuda.matmul.allow_fp16_accumulation)
 
 
 def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, triangle_rows, column_rows=0):
@@ -319,25 +364,46 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = launcher.split_config(tiles)
     (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
+    split = tiles["SPLIT"]  # (float32 weights and rows as float16 pieces: each weight two halves, in its bytes)
     size = max([(row_end - row_begin) * _padded(col_end - col_begin)
                 for (row_begin, row_end), (col_begin, col_end) in rectangles], default=0)
-    buffer = a.new_empty(size)  # each chunk's weights a [rows, _padded(columns)] view of it
+    # each chunk's weights a [rows, _padded(columns)] view of it ([rows, 2 _padded(columns)] split)
+    buffer = a.new_empty(2 * size, dtype=torch.float16) if split else a.new_empty(size)
     copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
     unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
     steps = [scales, Unlift(unlift, norm, lift)]
+    half = _padded(dim)
+
+    def rows_for_products(t, divisor=None, out=None):
+        """(rows, rests) of t for the products, made by a launch added to steps: t / divisor row by row
+        (or t itself, rests None, where there is nothing to do), as float16 pieces where `split`."""
+        if split:  # (each row: its high parts, then from column `half` on its rests, aligned for cuBLAS)
+            out = t.new_empty(t.shape[0], 2 * half, dtype=torch.float16) if out is None else out[:t.shape[0]]
+            steps.append(rows_launch(split_rows_kernel, t.shape, dict(DIVIDE=divisor is not None), t_ptr=t,
+                                     divisor_ptr=norm if divisor is None else divisor, y_ptr=out, half=half))
+            return out[:, :dim], out[:, half:half + dim]
+        if divisor is None:
+            return t, None
+        out = torch.empty_like(t) if out is None else out[:t.shape[0]]
+        steps.append(rows_launch(divided_rows_kernel, t.shape, {}, t_ptr=t, divisor_ptr=divisor, y_ptr=out))
+        return out, None
+
     if triangle:  # the rows of x that enter both products, each divided by its lift
-        a_unlifted = torch.empty_like(a)
-        steps.append(rows_launch(divided_rows_kernel, a.shape, {}, t_ptr=a, divisor_ptr=lift, y_ptr=a_unlifted))
-    unit = None if ref_norms is None else b.new_empty(max([end - begin for _, (begin, end) in rectangles], default=0),
-                                                      dim)  # (a chunk's unit rows of the bank)
+        a_unlifted = rows_for_products(a, lift)
+    # the rows of x for the other products (the self case's whole rows, dref) and a chunk's rows of b
+    a_rows = rows_for_products(a) if split and (copy or not triangle and b is a) else (a, None)
+    widest = max([end - begin for _, (begin, end) in rectangles], default=0)
+    chunk_rows = (b.new_empty(widest, dim) if ref_norms is not None else  # (a chunk's unit rows of the bank)
+                  b.new_empty(widest, 2 * half, dtype=torch.float16) if split and b is not a else None)
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
         # the range launch's row blocks must be the ranges' (the label-free tiles' weights in a range are wrong)
         assert not tiles["LABEL_ORDER"] or row_begin % range_tiles["BLOCK_M"] == 0
-        w, w_copy = (t[:rows * _padded(cols)].view(rows, _padded(cols)) for t in (buffer, copy_buffer))
+        width = _padded(cols) * (1 + split)
+        w, w_copy = (t[:rows * width].view(rows, width) for t in (buffer, copy_buffer))
         args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
                     row_begin=row_begin, row_end=row_end, col_begin=col_begin, col_end=col_end)
         # the row blocks on the grid's second axis, which CUDA caps at 65535: a chunk of more rows (a
@@ -358,23 +424,40 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
                                 dict(tiles, **range_config, RANGE_TILES=True, COLUMN_TILES=1, RESIDENT_D=0),
                                 range_warps, range_stages))
         if triangle:
-            steps.append(Product(w[:, :cols], a_unlifted[col_begin:], grad_x[row_begin:row_end],
-                                 unlift[row_begin:row_end], accumulate=chunk > 0))
+            w_rows, w_rests = _columns(w, 0, cols, split)
+            steps.append(Product(w_rows, a_unlifted[0][col_begin:], grad_x[row_begin:row_end],
+                                 unlift[row_begin:row_end], chunk > 0, w_rests, _rows(a_unlifted[1], col_begin)))
             # (the first chunk writes every row of dx, its own and the later ones; the rest add)
             for begin, end in _spans(row_end, num_x, piece):  # (w's column c: row col_begin + c)
-                steps.append(Product(w[:, begin - col_begin:end - col_begin].T, a_unlifted[row_begin:row_end],
-                                     grad_x[begin:end], unlift[begin:end], accumulate=chunk > 0))
+                w_rows, w_rests = _columns(w, begin - col_begin, end - col_begin, split)
+                steps.append(Product(w_rows.T, a_unlifted[0][row_begin:row_end], grad_x[begin:end],
+                                     unlift[begin:end], chunk > 0, _transposed(w_rests),
+                                     _rows(a_unlifted[1], row_begin, row_end)))
             continue
-        columns = b[col_begin:col_end]
-        if unit is not None:  # the chunk's unit rows, made for its product
-            columns = unit[:cols]
-            steps.append(rows_launch(divided_rows_kernel, columns.shape, {}, t_ptr=b[col_begin:col_end],
-                                     divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns))
+        columns = (b[col_begin:col_end], None) if b is not a else (a_rows[0][col_begin:col_end],
+                                                                  _rows(a_rows[1], col_begin, col_end))
+        if ref_norms is not None:  # the chunk's unit rows, made for its product
+            columns = (chunk_rows[:cols], None)
+            steps.append(rows_launch(divided_rows_kernel, columns[0].shape, {}, t_ptr=b[col_begin:col_end],
+                                     divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns[0]))
+        elif chunk_rows is not None:  # the chunk's rows as float16 pieces, made for its product
+            columns = rows_for_products(b[col_begin:col_end], out=chunk_rows)
         for begin, end in _spans(row_begin, row_end, piece):  # (cuBLAS's float32 result of each within the budget)
-            steps.append(Product(w[begin - row_begin:end - row_begin, :cols], columns, grad_x[begin:end],
-                                 unlift[begin:end], accumulate=col_begin > 0))
+            w_rows, w_rests = _columns(w[begin - row_begin:end - row_begin], 0, cols, split)
+            steps.append(Product(w_rows, columns[0], grad_x[begin:end], unlift[begin:end], col_begin > 0, w_rests,
+                                 columns[1]))
         for begin, end in _spans(0, cols if copy else 0, piece):  # (dref of the chunk's rows, in such pieces too)
-            steps.append(Product(w_copy[:, begin:end].T, a, grad_ref[col_begin + begin:col_begin + end], unlift_ref,
-                                 accumulate=False))
+            w_rows, w_rests = _columns(w_copy, begin, end, split)
+            steps.append(Product(w_rows.T, a_rows[0], grad_ref[col_begin + begin:col_begin + end], unlift_ref,
+                                 False, _transposed(w_rests), a_rows[1]))
     return grad_x, grad_ref, steps
+
+
+def _rows(t, begin, end=None):
+    """t[begin:end], or None for None (a Product's rests where there are none)."""
+    return None if t is None else t[begin:end]
+
+
+def _transposed(t):
+    return None if t is None else t.T
 

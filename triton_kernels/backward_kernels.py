@@ -10,16 +10,17 @@ where S is symmetric), then multiplies: dx = H r, dref = H^T x.
   for its columns and accumulates H_IJ @ b_J in registers (self case: H_IJ = G_IJ + G_JI^T from the
   statistics at both ends, no atomics).
 - `weights_kernel`, the chunked backward's first half: one tile of H, lifted, written in the input
-  dtype to a buffer that cuBLAS then multiplies (backward_plan's `Product`).
+  dtype (or, for float32 rows, as float16 pieces) to a buffer that cuBLAS then multiplies
+  (backward_plan's `Product`).
 In the self case both run in the forward's label order: a tile beside its row block's positive range
 holds negatives only and takes its weights with one FMA and one exp2 a pair and end, no labels.
 """
 import triton
 import triton.language as tl
 
-from .pairs import (anchor_counts, anchor_stats, anchor_terms, column_range, load_keys, negative_offset,
-                    negative_weights, pair_classes, pair_tile, resident_rows, scaled_weights, set_flags,
-                    similarity_tile)
+from .pairs import (anchor_counts, anchor_stats, anchor_terms, column_range, float16_parts, load_keys,
+                    negative_offset, negative_weights, pair_classes, pair_tile, resident_rows, scaled_weights,
+                    set_flags, similarity_tile)
 
 
 @triton.jit
@@ -172,10 +173,10 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                   col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr,
                   SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr,
                   LABEL_FREE: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None,
-                  RESIDENT_D: tl.constexpr = 0):
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                  a_rows=None, RESIDENT_D: tl.constexpr = 0):
     """weights_kernel's work on one tile: H of the rows against the columns, lifted, stored (a_rows,
-    RESIDENT_D: pairs.similarity_tile's)."""
+    RESIDENT_D: pairs.similarity_tile's; SPLIT: weights_kernel's)."""
     if LABEL_FREE:
         s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                             PRECISION, a_rows, RESIDENT_D)
@@ -202,14 +203,28 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
             h += scaled_weights(s, positive, negative, minpos_j[None, :], maxneg_j[None, :], lp_j[None, :],
                                 ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
     offsets = (rows - row_begin)[:, None].to(tl.int64) * w_stride + (cols - col_begin)[None, :]
-    ok = row_ok[:, None] & (cols - col_begin < w_stride)[None, :]
     # each row's lift, and with BOTH_LIFTS each column's too
     lift = tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0)[:, None]
     if BOTH_LIFTS:
         lift = lift * tl.load(row_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
-    tl.store(w_ptr + offsets, (h * lift).to(w_ptr.dtype.element_ty), mask=ok)
-    if COPY:
-        tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
+    if SPLIT:  # float16 pieces (pairs.float16_parts): a row's high parts, then its rests, each w_stride / 2 long
+        ok = row_ok[:, None] & (cols - col_begin < w_stride // 2)[None, :]
+        _store_parts(w_ptr + offsets, h * lift, w_stride // 2, ok)
+        if COPY:
+            _store_parts(copy_ptr + offsets, h * tl.load(copy_scale_ptr), w_stride // 2, ok)
+    else:
+        ok = row_ok[:, None] & (cols - col_begin < w_stride)[None, :]
+        tl.store(w_ptr + offsets, (h * lift).to(w_ptr.dtype.element_ty), mask=ok)
+        if COPY:
+            tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _store_parts(at, values, rests_after, ok):
+    """Float32 values as float16 pieces: the high parts at `at`, the rests `rests_after` elements on."""
+    hi, lo = float16_parts(values)
+    tl.store(at, hi, mask=ok)
+    tl.store(at + rests_after, lo, mask=ok)
 
 
 @triton.jit
@@ -220,7 +235,7 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                    BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                    RANGE_TILES: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, COLUMN_TILES: tl.constexpr,
-                   RESIDENT_D: tl.constexpr):
+                   RESIDENT_D: tl.constexpr, SPLIT: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in grad_kernel; the rows of a are anchors, and so are
     b's when B_ANCHORS), lifted, written in the input dtype to w[rows - row_begin, cols - col_begin] for
     cuBLAS products (`Product`), the columns up to the buffer's padded row length w_stride. The lift: each
@@ -236,7 +251,10 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     and writes their weights classified. So the padding past col_end holds weights of zero-padded
     columns: cuBLAS never reads it. Outside RANGE_TILES a program takes COLUMN_TILES column tiles one
     after another (grid: blocks of BLOCK_N * COLUMN_TILES columns), with RESIDENT_D (not 0) on its rows
-    loaded once and kept (pairs.resident_rows), so that each tile reads only its columns."""
+    loaded once and kept (pairs.resident_rows), so that each tile reads only its columns. SPLIT (float32
+    rows): w (and copy) are float16, each buffer row the weights' high parts (pairs.float16_parts), then
+    their rests: w_stride / 2 columns each, for products on float16 tensor cores with a float32 product's
+    accuracy (backward_plan)."""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if RANGE_TILES:  # (whole tiles: the columns past the range's end get their weights again, classified)
@@ -252,14 +270,14 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                           MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, B_SCALES, BLOCK_M, BLOCK_N,
-                          BLOCK_K, UPCAST, PRECISION)
+                          BLOCK_K, UPCAST, PRECISION, SPLIT)
     elif COLUMN_TILES == 1:  # (no loop for one tile: the shipped launches compile as they did before the loop)
         cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
                       scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                       row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                       MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M, BLOCK_N,
-                      BLOCK_K, UPCAST, PRECISION)
+                      BLOCK_K, UPCAST, PRECISION, SPLIT)
     else:
         a_rows = None
         if RESIDENT_D:
@@ -271,5 +289,5 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                           MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M,
-                          BLOCK_N, BLOCK_K, UPCAST, PRECISION, a_rows, RESIDENT_D)
+                          BLOCK_N, BLOCK_K, UPCAST, PRECISION, SPLIT, a_rows, RESIDENT_D)
 

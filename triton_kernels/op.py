@@ -50,15 +50,15 @@ def _backward(grad_loss: torch.Tensor, stats: torch.Tensor, x: torch.Tensor, lab
 
 def backward_of_checked_inputs(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, epsilon,
                                mining, skip_incomplete_anchors, ref_grad=True, grad_divisor=1, float32=False,
-                               rows_in_label_order=None, ref_norms=None):
+                               rows_in_label_order=None, ref_norms=None, unit_rows=False):
     """The backward op's work, for inputs that were checked: the forward's (and the eager loss's,
     whose "mean" divides by grad_divisor, without normalisation; `float32`: see `_unpadded`;
-    `rows_in_label_order`, `ref_norms`: see backward_plan)."""
+    `rows_in_label_order`, `ref_norms`, `unit_rows`: see backward_plan)."""
     ref_grad = ref is not None and ref_grad
     grad_x, grad_ref = run(backward_plan, x.device, grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids,
                            alpha, beta, base, epsilon, mining, skip_incomplete_anchors, ref_grad,
                            grad_divisor=grad_divisor, float32=float32, rows_in_label_order=rows_in_label_order,
-                           ref_norms=ref_norms)
+                           ref_norms=ref_norms, unit_rows=unit_rows)
     return _unpadded(grad_x, x, float32), (_unpadded(grad_ref, ref, float32) if ref_grad else grad_ref)
 
 
@@ -168,15 +168,18 @@ def _forward_step(x, ref, labels, ids, ref_labels, ref_ids, hyper_parameters, no
     return losses, (a_finite, b_finite), rows_in_label_order, saved
 
 
-def _gradients(saved, grad_loss, hyper_parameters, reduction, wanted, float32=False, rows_in_label_order=None):
+def _gradients(saved, grad_loss, hyper_parameters, reduction, wanted, float32=False, rows_in_label_order=None,
+               unit_rows=False):
     """(dx, dref) of the loss for grad_loss ([B], or one value expanded), None where `wanted` (a pair of
-    booleans) says no; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan)."""
+    booleans) says no; in the inputs' dtypes, or `float32` (`rows_in_label_order`: see backward_plan;
+    `unit_rows`: the rows were normalised before the forward, as CrossBatchMemory's step does; those
+    normalised by it are known to be)."""
     a, a_norm, b, b_norm, ref_norms, labels, ids, ref_labels, ref_ids, stats = saved
     batch, ref_grad = a.shape[0], b is not None and wanted[1]
     divisor = batch if reduction == "mean" and batch else 1
     args = (grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters, ref_grad)
     options = dict(grad_divisor=divisor, float32=float32, rows_in_label_order=rows_in_label_order,
-                   ref_norms=ref_norms)
+                   ref_norms=ref_norms, unit_rows=unit_rows or a_norm is not None)
     if a_norm is None:
         da, db = backward_of_checked_inputs(*args, **options)
     else:  # then the normalisation's backward, from the loss's float32 gradients where they are
@@ -227,7 +230,8 @@ def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, me
         losses, _, rows_in_label_order, saved = _forward_step(a, ref, labels, ids, ref_labels, ref_ids,
                                                               hyper_parameters, False, False)
         terms.append(reduce_losses(losses, reduction))
-        grads.append(_gradients(saved, ones, hyper_parameters, reduction, (True, False), True, rows_in_label_order)[0])
+        grads.append(_gradients(saved, ones, hyper_parameters, reduction, (True, False), True, rows_in_label_order,
+                                normalize)[0])
     loss = nan_if_nonfinite(torch.add(*terms, alpha=weight), bank[0], None if normalize else a)
     da = torch.add(*grads, alpha=weight)
     if normalize:

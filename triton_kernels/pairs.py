@@ -142,6 +142,17 @@ def _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D: tl.constexpr, U
 
 
 @triton.jit
+def float16_parts(v):
+    """(hi, lo) float16 of float32 values v: hi = v rounded to float16, lo = (v - hi) * 2^11, so that v =
+    hi + lo / 2^11 to about 2^-22 of |v| (the rest lo leaves out) for |v| up to float16's largest
+    (65504) and down to about 2^-14, below which hi turns subnormal and the pair keeps less. Products
+    of two such pairs, hi hi + (hi lo + lo hi) / 2^11, give a float32 product's accuracy on float16
+    tensor cores (similarity_tile's "fp16x3", the chunked backward's split products)."""
+    hi = v.to(tl.float16)
+    return hi, ((v - hi.to(tl.float32)) * 2048.0).to(tl.float16)
+
+
+@triton.jit
 def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
@@ -167,11 +178,11 @@ def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                 a = a.to(tl.float32)
                 b_t = b_t.to(tl.float32)
             if PRECISION == "fp16x3":
-                a_hi = a.to(tl.float16)
-                b_hi = b_t.to(tl.float16)
+                a_hi, a_lo = float16_parts(a)
+                b_hi, b_lo = float16_parts(b_t)
                 s = tl.dot(a_hi, b_hi, s)
-                rest = tl.dot(a_hi, ((b_t - b_hi.to(tl.float32)) * 2048.0).to(tl.float16), rest)
-                rest = tl.dot(((a - a_hi.to(tl.float32)) * 2048.0).to(tl.float16), b_hi, rest)
+                rest = tl.dot(a_hi, b_lo, rest)
+                rest = tl.dot(a_lo, b_hi, rest)
             else:
                 s = tl.dot(a, b_t, s, input_precision=PRECISION)
         if PRECISION == "fp16x3":

@@ -6,6 +6,7 @@
   again.
 - `divided_rows_kernel`: rows divided by one number each: the triangle's rows of x by their lifts, a
   memory bank's rows by their norms (its unit rows for the backward's products).
+- `split_rows_kernel`: float32 rows as float16 pieces, for the chunked backward's float32 products.
 - `stored_rows_kernel`: CrossBatchMemory's store, rows with their labels and ids into the memory's
   slots, in one launch.
 - `label_order_kernel`: everything the self case's label order needs after torch sorts the labels
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from ..common import squares_dtype
 from .launcher import Launch, cdiv, pow2_at_least_16
+from .pairs import float16_parts
 
 
 @triton.jit
@@ -80,6 +82,26 @@ def divided_rows_kernel(t_ptr, divisor_ptr, y_ptr, num_rows, dim, BLOCK_R: tl.co
     for k in range(0, dim, BLOCK_D):
         t, at, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         tl.store(y_ptr + at, tl.div_rn(t, divisor[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def split_rows_kernel(t_ptr, divisor_ptr, y_ptr, num_rows, dim, half, DIVIDE: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """Float32 rows t (with DIVIDE, divided by one number each, as divided_rows_kernel divides them) as
+    float16 pieces (pairs.float16_parts): row r of y [num_rows, 2 half] holds the high parts, then from
+    column `half` on (dim rounded up to 16: aligned for cuBLAS) the scaled rests. The chunked
+    backward's products take them for float32 rows of x (see backward_plan)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if DIVIDE:
+        divisor = tl.load(divisor_ptr + rows, mask=rows < num_rows, other=1.0)
+    for k in range(0, dim, BLOCK_D):
+        t, _, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
+        if DIVIDE:
+            t = tl.div_rn(t, divisor[:, None])
+        hi, lo = float16_parts(t)
+        at = rows[:, None].to(tl.int64) * (2 * half) + k + tl.arange(0, BLOCK_D)[None, :]
+        tl.store(y_ptr + at, hi, mask=ok)
+        tl.store(y_ptr + at + half, lo, mask=ok)
 
 
 @triton.jit
