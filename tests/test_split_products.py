@@ -1,8 +1,8 @@
 """The chunked backward's float32 products as float16 pieces (backward.split_products): under torch's
 float32 matmul precision "highest", unit rows of float32 (the eager loss's under `normalize`) enter
 cuBLAS as high parts and scaled rests, three float16 products where one float32 product would run on
-CUDA cores. Against the float64 reference at float32's tolerance in every shape of the chunked
-backward, and with float32 products wherever the pieces do not apply."""
+CUDA cores. Against the float64 reference in every shape of the chunked backward, and with float32
+products wherever the pieces do not apply."""
 import pytest
 import torch
 
@@ -22,8 +22,9 @@ def product_dtypes(monkeypatch):
     return seen
 
 
-# the pieces keep a float32 product's error: about 6e-7 of the largest entry here, as float32 products
-PIECES_RTOL = 3e-6
+# the pieces keep a float32 product's error: about 6e-7 of the largest entry here under the interpreter,
+# as float32 products (on a GPU the S tiles' three TF32 products add theirs: float32's tolerance there)
+PIECES_RTOL = 3e-6 if DEVICE == "cpu" else TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("case,triangle_rows,batch,dim,reduction",
