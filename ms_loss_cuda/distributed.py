@@ -86,18 +86,16 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
     everyone, all_labels, all_ids, ids = gather(embeddings, labels, ids)
     total = everyone.shape[0]
     normalize = loss_options.pop("normalize", True)
-    if normalize:
-        backend = loss_options.get("backend", "auto")
-        x, everyone = normalized_rows(embeddings, backend), normalized_rows(everyone, backend)
-    else:
-        x = embeddings
     # Per-anchor losses summed in float32 (float64): a 16-bit sum over thousands of anchors would overflow.
     compute = torch.float64 if embeddings.dtype == torch.float64 else torch.float32
-    own = _multi_similarity_loss(x, labels, ids=ids, ref_embeddings=everyone, ref_labels=all_labels,
-                                 ref_ids=all_ids, normalize=False, **dict(loss_options, reduction="none"))
+    # (the loss normalises the rows itself: a fused backend then knows them for unit rows)
+    own = _multi_similarity_loss(embeddings, labels, ids=ids, ref_embeddings=everyone, ref_labels=all_labels,
+                                 ref_ids=all_ids, normalize=normalize, **dict(loss_options, reduction="none"))
     own = own.to(compute).sum()
-    if memory is not None:
-        term = memory.memory_term(x, labels, ids, everyone, all_labels, all_ids, reduction="none")
+    if memory is not None:  # (the memory holds rows as the loss compares them: normalised where it normalises)
+        backend = loss_options.get("backend", "auto")
+        x, rows = (normalized_rows(t, backend) for t in (embeddings, everyone)) if normalize else (embeddings, everyone)
+        term = memory.memory_term(x, labels, ids, rows, all_labels, all_ids, reduction="none")
         own = own if term is None else own + memory.weight * term.to(compute).sum()
     if reduction == "mean":
         own = own / total

@@ -21,8 +21,8 @@ def available_backends(device="cpu"):
 
 
 def normalized_rows(t, backend="auto"):
-    """The rows of `t` normalised as the loss normalises them with `backend` (CrossBatchMemory and the
-    distributed loss normalise once, then call the loss with normalize=False)."""
+    """The rows of `t` normalised as the loss normalises them with `backend` (what CrossBatchMemory stores
+    and compares with its memory under `normalize`, calling the loss with normalize=False)."""
     return backends.resolve(backend, t.device, t.dtype).unit_rows(t)
 
 

@@ -82,8 +82,9 @@ class CrossBatchMemory(torch.nn.Module):
         loss = self._one_call(embeddings, labels, ids)
         if loss is not None:
             return loss
+        # (the batch's own term normalises its rows itself: a fused backend then knows them for unit rows)
+        loss = multi_similarity_loss(embeddings, labels, ids=ids, normalize=self.normalize, **self.loss_options)
         x = normalized_rows(embeddings, self.loss_options.get("backend", "auto")) if self.normalize else embeddings
-        loss = multi_similarity_loss(x, labels, ids=ids, normalize=False, **self.loss_options)
         term = self.memory_term(x, labels, ids, x, labels, ids)
         return loss if term is None else loss + self.weight * term
 
