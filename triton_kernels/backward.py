@@ -436,12 +436,9 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
             continue
         columns = (b[col_begin:col_end], None) if b is not a else (a_rows[0][col_begin:col_end],
                                                                   _rows(a_rows[1], col_begin, col_end))
-        if ref_norms is not None:  # the chunk's unit rows, made for its product
-            columns = (chunk_rows[:cols], None)
-            steps.append(rows_launch(divided_rows_kernel, columns[0].shape, {}, t_ptr=b[col_begin:col_end],
-                                     divisor_ptr=ref_norms[0, col_begin:col_end], y_ptr=columns[0]))
-        elif chunk_rows is not None:  # the chunk's rows as float16 pieces, made for its product
-            columns = rows_for_products(b[col_begin:col_end], out=chunk_rows)
+        if chunk_rows is not None:  # the chunk's rows made for its product: a bank's unit rows, or float16 pieces
+            columns = rows_for_products(b[col_begin:col_end], None if ref_norms is None else
+                                        ref_norms[0, col_begin:col_end], chunk_rows)
         for begin, end in _spans(row_begin, row_end, piece):  # (cuBLAS's float32 result of each within the budget)
             w_rows, w_rests = _columns(w[begin - row_begin:end - row_begin], 0, cols, split)
             steps.append(Product(w_rows, columns[0], grad_x[begin:end], unlift[begin:end], col_begin > 0, w_rests,

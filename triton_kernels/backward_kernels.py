@@ -18,9 +18,9 @@ holds negatives only and takes its weights with one FMA and one exp2 a pair and 
 import triton
 import triton.language as tl
 
-from .pairs import (anchor_counts, anchor_stats, anchor_terms, column_range, float16_parts, load_keys,
-                    negative_offset, negative_weights, pair_classes, pair_tile, resident_rows, scaled_weights,
-                    set_flags, similarity_tile)
+from .pairs import (anchor_counts, anchor_stats, anchor_terms, column_range, load_keys, negative_offset,
+                    negative_weights, pair_classes, pair_tile, resident_rows, scaled_weights, set_flags,
+                    similarity_tile, store_float16_parts)
 
 
 @triton.jit
@@ -209,22 +209,14 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
         lift = lift * tl.load(row_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
     if SPLIT:  # float16 pieces (pairs.float16_parts): a row's high parts, then its rests, each w_stride / 2 long
         ok = row_ok[:, None] & (cols - col_begin < w_stride // 2)[None, :]
-        _store_parts(w_ptr + offsets, h * lift, w_stride // 2, ok)
+        store_float16_parts(w_ptr + offsets, h * lift, w_stride // 2, ok)
         if COPY:
-            _store_parts(copy_ptr + offsets, h * tl.load(copy_scale_ptr), w_stride // 2, ok)
+            store_float16_parts(copy_ptr + offsets, h * tl.load(copy_scale_ptr), w_stride // 2, ok)
     else:
         ok = row_ok[:, None] & (cols - col_begin < w_stride)[None, :]
         tl.store(w_ptr + offsets, (h * lift).to(w_ptr.dtype.element_ty), mask=ok)
         if COPY:
             tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _store_parts(at, values, rests_after, ok):
-    """Float32 values as float16 pieces: the high parts at `at`, the rests `rests_after` elements on."""
-    hi, lo = float16_parts(values)
-    tl.store(at, hi, mask=ok)
-    tl.store(at + rests_after, lo, mask=ok)
 
 
 @triton.jit

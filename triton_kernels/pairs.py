@@ -153,6 +153,15 @@ def float16_parts(v):
 
 
 @triton.jit
+def store_float16_parts(at, values, rests_after, ok):
+    """Float32 values as float16 pieces (float16_parts): the high parts at `at`, the rests `rests_after`
+    elements on (a buffer row's high parts, then its rests)."""
+    hi, lo = float16_parts(values)
+    tl.store(at, hi, mask=ok)
+    tl.store(at + rests_after, lo, mask=ok)
+
+
+@triton.jit
 def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):

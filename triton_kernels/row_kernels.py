@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..common import squares_dtype
 from .launcher import Launch, cdiv, pow2_at_least_16
-from .pairs import float16_parts
+from .pairs import store_float16_parts
 
 
 @triton.jit
@@ -98,10 +98,8 @@ def split_rows_kernel(t_ptr, divisor_ptr, y_ptr, num_rows, dim, half, DIVIDE: tl
         t, _, ok = _row_block(t_ptr, rows, k, num_rows, dim, dim, BLOCK_D)
         if DIVIDE:
             t = tl.div_rn(t, divisor[:, None])
-        hi, lo = float16_parts(t)
         at = rows[:, None].to(tl.int64) * (2 * half) + k + tl.arange(0, BLOCK_D)[None, :]
-        tl.store(y_ptr + at, hi, mask=ok)
-        tl.store(y_ptr + at + half, lo, mask=ok)
+        store_float16_parts(y_ptr + at, t, half, ok)
 
 
 @triton.jit
