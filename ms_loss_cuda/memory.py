@@ -8,6 +8,7 @@ from .loss import checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 _DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
+_UNIT_TOLERANCE = 1e-2  # |norm - 1| of a stored normalised row (bfloat16 rounds each entry to within 2^-8 of it)
 
 
 class CrossBatchMemory(torch.nn.Module):
@@ -23,7 +24,8 @@ class CrossBatchMemory(torch.nn.Module):
 
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
     already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
-    (with the ring position and the call count), so a checkpoint resumes with it. The memory term
+    (with the ring position and the call count), so a checkpoint resumes with it; a normalising memory
+    refuses to load rows that are not unit length (those of one with normalize=False). The memory term
     needs no gradient for the memory: the fused backends then skip that half of the backward. On the
     triton backend an eager step whose gradient is taken is one call (`Backend.memory_loss`): the
     store and both terms, replayed as one CUDA graph once the memory is full.
@@ -65,13 +67,33 @@ class CrossBatchMemory(torch.nn.Module):
     def set_extra_state(self, state):
         self.position, self.filled, self.calls = state["position"], state["filled"], state["calls"]
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         # the memory takes the saved rows' dtype (as a step takes the batch's), so that loading never
         # rounds them: a float64 memory into the float32 buffer of a new module, say
         saved = state_dict.get(prefix + "embeddings")
         if isinstance(saved, torch.Tensor) and saved.dtype != self.embeddings.dtype:
             self.embeddings = self.embeddings.to(saved.dtype)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self.normalize and isinstance(saved, torch.Tensor):
+            problem = self._not_unit(self.embeddings[:self.filled])
+            if problem:
+                error_msgs.append(problem)  # (load_state_dict raises them together)
+
+    @staticmethod
+    def _not_unit(rows):
+        """Why `rows` cannot be a normalising memory's (each row unit length, or zero as a zero row
+        normalises), or None: the loss compares them as normalised and a fused backend splits them into
+        float16 pieces that only unit rows fit. Non-finite rows are a diverged step's (see the class)."""
+        norms = torch.linalg.vector_norm(rows.detach().float(), dim=1)
+        wrong = torch.isfinite(norms) & (norms != 0) & ((norms - 1).abs() > _UNIT_TOLERANCE)
+        if not wrong.any():
+            return None
+        return (f"the saved memory holds {int(wrong.sum())} rows that are not unit length (norms "
+                f"{norms[wrong].min().item():.4g} to {norms[wrong].max().item():.4g}), but this CrossBatchMemory "
+                f"normalises: it was saved by one with normalize=False, whose memory this one cannot compare with; "
+                f"build it with normalize=False, or drop the memory's entries from the state dict to start a new one")
 
     def forward(self, embeddings, labels, ids):
         if ids is None:
