@@ -6,7 +6,9 @@
 # (bench/results/gpu/h100/gpu-check-env.txt). Steps:
 #   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
 #     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
-#     and bfloat16; then float32 with triton-fp16x3's S tiles (accuracy-variants.txt);
+#     and bfloat16; then float32 with triton-fp16x3's S tiles (accuracy-variants.txt); then rows of norm 30
+#     compared as they are (--row-norm, exponents in the tens of thousands) for the reference (torch's own
+#     float32 ops), triton and, where built, cuda (accuracy-unnormalised-*.txt);
 #   bench: the speed targets side by side, D = 512, as five parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
 #       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
@@ -146,7 +148,12 @@ for step in $STEPS; do
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"
     run_step accuracy-variants 60 $PY bench/accuracy.py --device cuda --sizes 16384 --bank 262144 --dtypes float32 \
-      --fp16x3 --out "$DIR/accuracy-variants.txt" ;;
+      --fp16x3 --out "$DIR/accuracy-variants.txt"
+    for backend in reference triton $($PY -c "import ms_loss_cuda as m; print('cuda' * ('cuda' in \
+m.available_backends('cuda')))"); do  # (rows of norm 30 as they are; the reference: torch's float32 ops)
+      run_step "accuracy-unnormalised-$backend" 60 $PY bench/accuracy.py --device cuda --backend $backend --sizes 4096 \
+        --dtypes float32 --row-norm 30 --out "$DIR/accuracy-unnormalised-$backend.txt"
+    done ;;
   host)
     for batch in 1024 16384; do  # (the self case at B and a bank of 262144 rows)
       run_step "host-time-$batch" 120 $PY bench/host_time.py --device cuda --batch $batch --ref-rows 262144 \

@@ -87,13 +87,34 @@ MS_HD bool anchor_counts(T minpos, T maxneg, const Params<T>& p) {
 }
 
 // ---- Similarity-S / -N: the exponents and their log(1 + sum exp) ------------------------------
+// An exponent is rounded before anything is subtracted from it, everywhere: the hardest pair's, the
+// shift, must equal that pair's own exponent in the sums and the weights bit for bit, or every
+// weight of the anchor is off by up to half an ulp of the exponent (relative), which for
+// unnormalised rows (|beta S| in the thousands) is far above float32's precision. nvcc would
+// contract `a * b - c` into an FMA in one place and not in another; __fmul_rn is never contracted.
+// (The host code builds with -ffp-contract=off, setup.py.)
+MS_HD float rounded_product(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MS_HD double rounded_product(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 template <typename T>
 MS_HD T positive_exponent(T s, const Params<T>& p) {
-  return -p.alpha * (s - p.base);
+  return rounded_product(-p.alpha, s - p.base);
 }
 template <typename T>
 MS_HD T negative_exponent(T s, const Params<T>& p) {
-  return p.beta * (s - p.base);
+  return rounded_product(p.beta, s - p.base);
 }
 
 // log(1 + sum_k exp(a_k)) = m + log(exp(-m) + sum_k exp(a_k - m)) with m = max(0, max_k a_k).

@@ -53,6 +53,22 @@ def test_large_exponents(mining, reduction):
     check_against_reference("cpu", kwargs, torch.float64, reduction, mining=mining, beta=250.0, base=0.0)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("case", ["self", "ref_ids"])
+def test_unnormalised_rows_of_large_norm(monkeypatch, case, recompute):
+    """Rows of norm 30 compared as they are: exponents beta (S - base) up to about 45,000, where half an
+    ulp is 2e-3. The hardest pair's exponent must be rounded alike in the shifts, the sums and the
+    weights (setup.py, ms_math.h), or each anchor's weights are off by up to that, relative."""
+    if recompute:
+        monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", "0")
+    kwargs = build_case(case, 67, 40, torch.float64, seed=12)
+    for name in ("embeddings", "ref_embeddings"):
+        if name in kwargs:
+            kwargs[name] = (30 * F.normalize(kwargs[name], dim=1)).float()
+    for reduction in ("mean", "none"):
+        check_against_reference("cpu", kwargs, torch.float32, reduction, normalize=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_huge_similarity_between_equal_identities_stays_out(dtype):
     """Two rows of one identity with a similarity of 400 (unnormalised) and different labels: the pair
