@@ -9,13 +9,13 @@ supplies its per-anchor losses, and may replace the whole path with a faster one
 keeps these rules (the Triton backend's eager call is one autograd node).
 """
 import inspect
-import math
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
 REDUCTIONS = ("mean", "sum", "none")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # the hyper-parameters every backend takes, in the order of the fused ops' schema (csrc/ms_loss_schema.h)
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
 
@@ -54,6 +54,8 @@ def check_embeddings(name, t):
         raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one column (D >= 1), got shape {tuple(t.shape)}")
 
 
 def check_keys(name, t, of_name, of):
@@ -67,13 +69,25 @@ def check_keys(name, t, of_name, of):
                          f"got {tuple(t.shape)}")
 
 
+def _check_key_dtypes(name, t, ref_name, ref):
+    """Keys of two dtypes are compared as int64, where a uint64 key of 2^63 or more would wrap onto a
+    negative one of the other end: uint64 keys must have uint64 keys opposite."""
+    if t.dtype != ref.dtype and torch.uint64 in (t.dtype, ref.dtype):
+        raise TypeError(f"{name} ({t.dtype}) and {ref_name} ({ref.dtype}) must share a dtype where either is uint64 "
+                        f"(keys of two dtypes are compared as int64)")
+
+
 def check_hyper_parameters(alpha, beta, base, epsilon, reduction):
     # (comparisons written out rather than a table of rules: this runs at every call)
+    # Finite in float32, where every dtype but float64 computes: a larger one would be inf there.
     for name, value, positive in (("alpha", alpha, True), ("beta", beta, True), ("epsilon", epsilon, False)):
-        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-            raise ValueError(f"{name} must be finite and {'>' if positive else '>='} 0, got {value}")
-    if not math.isfinite(base):
-        raise ValueError(f"base must be finite, got {base}")
+        if not ((value > 0 if positive else value >= 0) and value <= _FLOAT32_MAX):
+            raise ValueError(f"{name} must be {'>' if positive else '>='} 0 and finite in float32, got {value}")
+    if not abs(base) <= _FLOAT32_MAX:
+        raise ValueError(f"base must be finite in float32, got {base}")
+    if max(alpha, beta) * (1 + abs(base)) > _FLOAT32_MAX:  # (the exponents of unit rows, |S| <= 1)
+        raise ValueError(f"alpha and beta times (1 + |base|) must be finite in float32, got alpha {alpha}, "
+                         f"beta {beta}, base {base}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
@@ -101,6 +115,9 @@ def check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
         check_keys("ids", ids, "embeddings", embeddings)
     if ref_ids is not None:
         check_keys("ref_ids", ref_ids, "ref_embeddings", ref_embeddings)
+        _check_key_dtypes("ids", ids, "ref_ids", ref_ids)
+    if ref_labels is not None:
+        _check_key_dtypes("labels", labels, "ref_labels", ref_labels)
     device = embeddings.device
     for t in (labels, ref_embeddings, ref_labels, ids, ref_ids):  # (a loop: no generator's call at every step)
         if t is not None and t.device != device:

@@ -79,7 +79,13 @@ def checked_options(options, reduction):
     the four numbers as floats, after checking them and `reduction`."""
     options = dict(options)
     for name in ("alpha", "beta", "base", "epsilon"):
-        options[name] = float(options[name])
+        try:
+            options[name] = float(options[name])
+        except (TypeError, ValueError, RuntimeError):  # (None, a string, a tensor of several values)
+            raise TypeError(f"{name} must be a real number, got {options[name]!r}") from None
+    for name in ("mining", "skip_incomplete_anchors"):
+        if not isinstance(options[name], bool):
+            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
     check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
     return options
 
@@ -99,7 +105,7 @@ class MultiSimilarityLoss(torch.nn.Module):
         super().__init__()
         self.options = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
                             skip_incomplete_anchors=skip_incomplete_anchors)
-        check_hyper_parameters(float(alpha), float(beta), float(base), float(epsilon), reduction)
+        checked_options(self.options, reduction)
         backends.check_name(backend)
         self.normalize, self.reduction, self.backend = normalize, reduction, backend
 
@@ -118,14 +124,32 @@ def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):
     """Boolean [B, R] (positive, negative) masks from (a1, p, a2, n) or (anchor, positive, negative)."""
     if len(indices_tuple) == 3:
         anchors, positives, negatives = indices_tuple
-        indices_tuple = (anchors, positives, anchors, negatives)
-    if len(indices_tuple) != 4:
+        indices_tuple, names = (anchors, positives, anchors, negatives), ("anchor", "positive", "anchor", "negative")
+    elif len(indices_tuple) == 4:
+        names = ("a1", "p", "a2", "n")
+    else:
         raise ValueError(f"indices_tuple must hold 3 or 4 index tensors, got {len(indices_tuple)}")
     rows = embeddings.shape[0]
     cols = rows if ref_emb is None else ref_emb.shape[0]
+    for t, name, size in zip(indices_tuple, names, (rows, cols, rows, cols)):
+        _check_indices(t, name, size)
     masks = []
-    for anchors, others in (indices_tuple[:2], indices_tuple[2:]):
+    for (anchors, others), (a_name, o_name) in ((indices_tuple[:2], names[:2]), (indices_tuple[2:], names[2:])):
+        if anchors.shape != others.shape:
+            raise ValueError(f"indices_tuple's {a_name} and {o_name} must be as long as each other (one pair "
+                             f"each), got {anchors.shape[0]} and {others.shape[0]}")
         mask = torch.zeros(rows, cols, dtype=torch.bool, device=embeddings.device)
         mask[anchors.long(), others.long()] = True
         masks.append(mask)
     return tuple(masks)
+
+
+def _check_indices(t, name, size):
+    """One of indices_tuple's tensors: 1-D, integer, each value a row in [0, size)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() \
+            or t.is_complex():
+        raise TypeError(f"indices_tuple's {name} must be a 1-D integer tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+    if t.numel() and not (0 <= int(t.min()) and int(t.max()) < size):
+        raise ValueError(f"indices_tuple's {name} must hold row indices in [0, {size}), got values from "
+                         f"{int(t.min())} to {int(t.max())}")

@@ -1,5 +1,7 @@
 """Cross-batch memory (XBM, Wang et al., CVPR 2020) for the fused MS loss: a ring buffer of the last
 `size` embeddings, never turned into a B x M matrix."""
+import operator
+
 import torch
 
 from . import backends
@@ -9,6 +11,17 @@ from .loss import checked_options, multi_similarity_loss, normalized_rows
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 _DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
 _UNIT_TOLERANCE = 1e-2  # |norm - 1| of a stored normalised row (bfloat16 rounds each entry to within 2^-8 of it)
+
+
+def _integer(name, value, least):
+    """`value` as an int (a Python or numpy integer, not a bool), at least `least`."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return number
 
 
 class CrossBatchMemory(torch.nn.Module):
@@ -45,11 +58,10 @@ class CrossBatchMemory(torch.nn.Module):
         unknown = sorted(set(loss_options) - set(_LOSS_OPTIONS))
         if unknown:
             raise TypeError(f"unknown loss options {unknown}; CrossBatchMemory takes {_LOSS_OPTIONS}")
-        for name, value, ok in (("size", size, size >= 1), ("dim", dim, dim >= 1), ("warmup", warmup, warmup >= 0)):
-            if not isinstance(value, int) or not ok:
-                raise ValueError(f"{name} must be an integer >= {0 if name == 'warmup' else 1}, got {value!r}")
-        if not weight >= 0:
-            raise ValueError(f"weight must be >= 0, got {weight}")
+        size, dim, warmup = (_integer(name, value, least) for name, value, least in
+                             (("size", size, 1), ("dim", dim, 1), ("warmup", warmup, 0)))
+        if not 0 <= weight < float("inf"):
+            raise ValueError(f"weight must be finite and >= 0, got {weight}")
         self.size, self.dim, self.weight, self.warmup = size, dim, float(weight), warmup
         self.normalize = loss_options.pop("normalize", True)
         self.loss_options = loss_options

@@ -20,14 +20,23 @@ def pair_masks(labels, ref_labels, ids=None, ref_ids=None):
     """
     self_case = ref_labels is None
     ref_labels = labels if self_case else ref_labels
-    same = labels[:, None] == ref_labels[None, :]
+    same = _equal(labels, ref_labels)
     if ids is not None:
-        skipped = ids[:, None] == (ids if ref_ids is None else ref_ids)[None, :]
+        skipped = _equal(ids, ids if ref_ids is None else ref_ids)
     elif self_case:
         skipped = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
     else:
         skipped = torch.zeros_like(same)
     return same & ~skipped, ~same & ~skipped
+
+
+def _equal(a, b):
+    """[len(a), len(b)]: a_i == b_j by value, whatever the two integer dtypes (torch compares uint16 and
+    uint32 only with their own dtype; check_inputs lets uint64 meet only uint64, so int64 holds every
+    value compared across dtypes)."""
+    if a.dtype != b.dtype:
+        a, b = a.long(), b.long()
+    return a[:, None] == b[None, :]
 
 
 def _masked_extreme(s, mask, largest):

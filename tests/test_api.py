@@ -31,6 +31,9 @@ def call(x=None, labels=None, **kwargs):
      "ids and ref_ids must be given together"),
     (dict(alpha=0.0), "alpha"), (dict(alpha=-1.0), "alpha"), (dict(beta=0.0), "beta"), (dict(epsilon=-0.1), "epsilon"),
     (dict(alpha=math.nan), "alpha"), (dict(base=math.inf), "base"),
+    (dict(alpha=1e39), "alpha must be > 0 and finite in float32"), (dict(base=-1e39), "base"),
+    (dict(beta=1e38, base=-9.0), r"alpha and beta times \(1 \+ \|base\|\)"),
+    (dict(x=torch.randn(8, 0), labels=torch.zeros(8, dtype=torch.long)), r"at least one column.*\(8, 0\)"),
     (dict(reduction="max"), "reduction"), (dict(backend="gpu"), "backend"),
 ])
 def test_value_errors(kwargs, message):
@@ -43,10 +46,39 @@ def test_value_errors(kwargs, message):
     dict(x=torch.randn(8, 4), labels=torch.zeros(8)),
     dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.bool)),
     dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.long), ids=torch.zeros(8)),
+    dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.uint64), ref_embeddings=torch.randn(5, 4),
+         ref_labels=torch.zeros(5, dtype=torch.int64)),
 ])
 def test_type_errors(kwargs):
     with pytest.raises(TypeError):
         call(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(alpha=None), "alpha must be a real number, got None"),
+    (dict(beta=torch.tensor([2.0, 3.0])), "beta must be a real number"),
+    (dict(mining="no"), "mining must be True or False, got 'no'"),
+    (dict(skip_incomplete_anchors=1), "skip_incomplete_anchors must be True or False"),
+])
+def test_hyper_parameters_of_the_wrong_type_are_named(kwargs, message):
+    for make in (lambda: call(**kwargs), lambda: MultiSimilarityLoss(**kwargs)):
+        with pytest.raises(TypeError, match=message):
+            make()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keys_of_other_integer_dtypes_at_both_ends(backend):
+    """Labels and ids of any integer dtype, a different one at each end (but uint64, which needs uint64
+    opposite), are compared by value."""
+    x, labels = make_batch(12, 4, 3)
+    ref, ref_labels = make_batch(9, 4, 3, seed=1)
+    expected = multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, ids=torch.arange(12),
+                                     ref_ids=torch.arange(12, 21), backend=backend)
+    for dtype, ref_dtype in ((torch.uint16, torch.int64), (torch.uint32, torch.int8), (torch.int32, torch.uint8)):
+        loss = multi_similarity_loss(x, labels.to(dtype), ref_embeddings=ref, ref_labels=ref_labels.to(ref_dtype),
+                                     ids=torch.arange(12).to(dtype), ref_ids=torch.arange(12, 21).to(ref_dtype),
+                                     backend=backend)
+        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
 
 
 def test_device_mismatch_names_devices():
@@ -131,6 +163,24 @@ def test_module_matches_function_and_has_pml_signature():
     torch.testing.assert_close(module(x, labels), expected)
     with pytest.raises(ValueError, match="alpha"):
         MultiSimilarityLoss(alpha=-1)
+
+
+def test_indices_tuple_is_checked():
+    x, labels = make_batch(6, 4, 3)
+    module, a, p, n = MultiSimilarityLoss(), torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([2, 4])
+    for pairs, error, message in [
+        ((a, torch.tensor([1, 9]), a, n), ValueError, r"p must hold row indices in \[0, 6\), got values from 1 to 9"),
+        ((a, p, torch.tensor([-1, 0]), n), ValueError, r"a2 must hold row indices in \[0, 6\)"),
+        ((a, p[:1], a, n), ValueError, "a1 and p must be as long as each other"),
+        ((a, p, n.float()), TypeError, "negative must be a 1-D integer tensor"),
+        ((a, p, a, n, n), ValueError, "3 or 4"),
+    ]:
+        with pytest.raises(error, match=message):
+            module(x, labels, indices_tuple=pairs)
+    ref = torch.randn(9, 4)
+    with pytest.raises(ValueError, match=r"n must hold row indices in \[0, 9\)"):
+        module(x, labels, (a, p, a, torch.tensor([2, 9])), ref, torch.zeros(9, dtype=torch.long))
+    assert module(x, labels, indices_tuple=(a, p, a, n)) > 0
 
 
 def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):

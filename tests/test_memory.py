@@ -210,6 +210,12 @@ def test_bad_input():
         CrossBatchMemory(0, 4)
     with pytest.raises(ValueError, match="weight"):
         CrossBatchMemory(4, 4, weight=-1)
+    with pytest.raises(ValueError, match="weight must be finite"):
+        CrossBatchMemory(4, 4, weight=float("inf"))
+    for size in (True, 2.0, "4"):
+        with pytest.raises(ValueError, match="size must be an integer"):
+            CrossBatchMemory(size, 4)
+    assert CrossBatchMemory(torch.tensor(4).numpy()[()], 4).size == 4  # (a numpy integer)
     with pytest.raises(TypeError, match="unknown loss options"):
         CrossBatchMemory(4, 4, alhpa=2)
     memory = CrossBatchMemory(4, 4)
