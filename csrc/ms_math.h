@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define MS_HD __host__ __device__ __forceinline__
@@ -93,16 +94,11 @@ MS_HD bool anchor_counts(T minpos, T maxneg, const Params<T>& p) {
 // unnormalised rows (|beta S| in the thousands) is far above float32's precision. nvcc would
 // contract `a * b - c` into an FMA in one place and not in another; __fmul_rn is never contracted.
 // (The host code builds with -ffp-contract=off, setup.py.)
-MS_HD float rounded_product(float a, float b) {
+template <typename T>
+MS_HD T rounded_product(T a, T b) {
 #if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-MS_HD double rounded_product(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
+  if constexpr (std::is_same_v<T, float>) return __fmul_rn(a, b);
+  else return __dmul_rn(a, b);
 #else
   return a * b;
 #endif
