@@ -113,6 +113,10 @@ class CrossBatchMemory(torch.nn.Module):
                              "are skipped, which is how a sample never meets its own stored copies")
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"embeddings must be [B, {self.dim}] for this memory, got {tuple(embeddings.shape)}")
+        for name, keys in (("labels", labels), ("ids", ids)):
+            if getattr(keys, "dtype", None) == torch.uint64:  # (the memory keeps its keys as int64)
+                raise TypeError(f"CrossBatchMemory stores {name} as int64, where uint64 values of 2^63 and more "
+                                f"would wrap: pass {name} as int64")
         loss = self._one_call(embeddings, labels, ids)
         if loss is not None:
             return loss

@@ -224,3 +224,5 @@ def test_bad_input():
         memory(x, labels, None)
     with pytest.raises(ValueError, match=r"\[B, 4\]"):
         memory(torch.randn(3, 5), labels, torch.arange(3))
+    with pytest.raises(TypeError, match="stores labels as int64"):
+        memory(x, labels.to(torch.uint64), torch.arange(3))
