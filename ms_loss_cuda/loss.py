@@ -84,10 +84,19 @@ def checked_options(options, reduction):
         except (TypeError, ValueError, RuntimeError):  # (None, a string, a tensor of several values)
             raise TypeError(f"{name} must be a real number, got {options[name]!r}") from None
     for name in ("mining", "skip_incomplete_anchors"):
-        if not isinstance(options[name], bool):
-            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
+        options[name] = _flag(name, options[name])
     check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
     return options
+
+
+def _flag(name, value):
+    """`value` as a bool: True, False, or what equals 1 or 0 (numpy's bools, 0-d tensors, 0 and 1)."""
+    try:
+        if value is True or value is False or value == 1 or value == 0:
+            return bool(value)
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of several values)
+        pass
+    raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 class MultiSimilarityLoss(torch.nn.Module):
@@ -131,8 +140,7 @@ def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):
         raise ValueError(f"indices_tuple must hold 3 or 4 index tensors, got {len(indices_tuple)}")
     rows = embeddings.shape[0]
     cols = rows if ref_emb is None else ref_emb.shape[0]
-    for t, name, size in zip(indices_tuple, names, (rows, cols, rows, cols)):
-        _check_indices(t, name, size)
+    _check_indices(indices_tuple, names, (rows, cols, rows, cols))
     masks = []
     for (anchors, others), (a_name, o_name) in ((indices_tuple[:2], names[:2]), (indices_tuple[2:], names[2:])):
         if anchors.shape != others.shape:
@@ -144,12 +152,20 @@ def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):
     return tuple(masks)
 
 
-def _check_indices(t, name, size):
-    """One of indices_tuple's tensors: 1-D, integer, each value a row in [0, size)."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() \
-            or t.is_complex():
-        raise TypeError(f"indices_tuple's {name} must be a 1-D integer tensor, got "
-                        f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
-    if t.numel() and not (0 <= int(t.min()) and int(t.max()) < size):
-        raise ValueError(f"indices_tuple's {name} must hold row indices in [0, {size}), got values from "
-                         f"{int(t.min())} to {int(t.max())}")
+def _check_indices(tensors, names, sizes):
+    """indices_tuple's tensors: each 1-D, integer, its values rows in [0, size). The range takes one
+    read back to the host for all of them, and none while torch.compile or a CUDA graph records."""
+    for t, name in zip(tensors, names):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() \
+                or t.is_complex():
+            raise TypeError(f"indices_tuple's {name} must be a 1-D integer tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+    recording = torch.compiler.is_compiling() or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())
+    present = [i for i, t in enumerate(tensors) if t.numel()]
+    if recording or not present:
+        return
+    extremes = torch.stack([torch.stack(torch.aminmax(tensors[i].long())) for i in present]).tolist()
+    for i, (low, high) in zip(present, extremes):
+        if low < 0 or high >= sizes[i]:
+            raise ValueError(f"indices_tuple's {names[i]} must hold row indices in [0, {sizes[i]}), got values "
+                             f"from {low} to {high}")

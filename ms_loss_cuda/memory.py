@@ -10,7 +10,7 @@ from .loss import checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 _DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
-_UNIT_TOLERANCE = 1e-2  # |norm - 1| of a stored normalised row (bfloat16 rounds each entry to within 2^-8 of it)
+_UNIT_TOLERANCE = 1e-2  # norm - 1 of a stored normalised row (bfloat16 rounds each entry to within 2^-8 of it)
 
 
 def _integer(name, value, least):
@@ -38,7 +38,8 @@ class CrossBatchMemory(torch.nn.Module):
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
     already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
     (with the ring position and the call count), so a checkpoint resumes with it; a normalising memory
-    refuses to load rows that are not unit length (those of one with normalize=False). The memory term
+    refuses to load rows longer than unit length (those of one with normalize=False). Labels and ids
+    are kept as int64 (uint64 ones are refused). The memory term
     needs no gradient for the memory: the fused backends then skip that half of the backward. On the
     triton backend an eager step whose gradient is taken is one call (`Backend.memory_loss`): the
     store and both terms, replayed as one CUDA graph once the memory is full.
@@ -88,24 +89,25 @@ class CrossBatchMemory(torch.nn.Module):
             self.embeddings = self.embeddings.to(saved.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if self.normalize and isinstance(saved, torch.Tensor):
-            problem = self._not_unit(self.embeddings[:self.filled])
+        if self.normalize and isinstance(saved, torch.Tensor) and self.filled and not self.embeddings.is_meta:
+            problem = self._longer_than_unit(self.embeddings[:self.filled])
             if problem:
                 error_msgs.append(problem)  # (load_state_dict raises them together)
 
     @staticmethod
-    def _not_unit(rows):
-        """Why `rows` cannot be a normalising memory's (each row unit length, or zero as a zero row
-        normalises), or None: the loss compares them as normalised and a fused backend splits them into
-        float16 pieces that only unit rows fit. Non-finite rows are a diverged step's (see the class)."""
+    def _longer_than_unit(rows):
+        """Why `rows` cannot be a normalising memory's, or None: a row longer than unit length was not
+        normalised (rows of tiny norm normalise to less than 1, as the norm is clamped at 1e-12). The loss
+        compares them as normalised, and a fused backend splits them into float16 pieces that only rows
+        of norm up to 1 fit. Non-finite rows are a diverged step's (see the class)."""
         norms = torch.linalg.vector_norm(rows.detach().float(), dim=1)
-        wrong = torch.isfinite(norms) & (norms != 0) & ((norms - 1).abs() > _UNIT_TOLERANCE)
+        wrong = torch.isfinite(norms) & (norms > 1 + _UNIT_TOLERANCE)
         if not wrong.any():
             return None
-        return (f"the saved memory holds {int(wrong.sum())} rows that are not unit length (norms "
+        return (f"the saved memory holds {int(wrong.sum())} rows longer than unit length (norms "
                 f"{norms[wrong].min().item():.4g} to {norms[wrong].max().item():.4g}), but this CrossBatchMemory "
-                f"normalises: it was saved by one with normalize=False, whose memory this one cannot compare with; "
-                f"build it with normalize=False, or drop the memory's entries from the state dict to start a new one")
+                f"normalises and compares them as normalised: a memory saved with normalize=False? Build this one "
+                f"with normalize=False, or drop the memory's entries from the state dict to start a new one")
 
     def forward(self, embeddings, labels, ids):
         if ids is None:

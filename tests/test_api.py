@@ -58,12 +58,18 @@ def test_type_errors(kwargs):
     (dict(alpha=None), "alpha must be a real number, got None"),
     (dict(beta=torch.tensor([2.0, 3.0])), "beta must be a real number"),
     (dict(mining="no"), "mining must be True or False, got 'no'"),
-    (dict(skip_incomplete_anchors=1), "skip_incomplete_anchors must be True or False"),
+    (dict(skip_incomplete_anchors=2), "skip_incomplete_anchors must be True or False"),
 ])
 def test_hyper_parameters_of_the_wrong_type_are_named(kwargs, message):
     for make in (lambda: call(**kwargs), lambda: MultiSimilarityLoss(**kwargs)):
         with pytest.raises(TypeError, match=message):
             make()
+
+
+def test_flags_that_equal_a_bool_are_taken_as_one():
+    expected = call(mining=False, skip_incomplete_anchors=True)
+    for off, on in ((0, 1), (torch.tensor(False), torch.tensor(True)), (torch.tensor(False).numpy()[()], 1)):
+        torch.testing.assert_close(call(mining=off, skip_incomplete_anchors=on), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -181,6 +187,14 @@ def test_indices_tuple_is_checked():
     with pytest.raises(ValueError, match=r"n must hold row indices in \[0, 9\)"):
         module(x, labels, (a, p, a, torch.tensor([2, 9])), ref, torch.zeros(9, dtype=torch.long))
     assert module(x, labels, indices_tuple=(a, p, a, n)) > 0
+
+
+def test_indices_tuple_under_torch_compile():
+    """The indices' range is checked eagerly; a traced call (fullgraph) skips it rather than guard on data."""
+    x, labels = make_batch(8, 4, 4)
+    module, a, p, n = MultiSimilarityLoss(), torch.tensor([0, 1, 2]), torch.tensor([1, 0, 3]), torch.tensor([4, 5, 6])
+    compiled = torch.compile(lambda x, labels: module(x, labels, (a, p, a, n)), fullgraph=True)
+    torch.testing.assert_close(compiled(x, labels), module(x, labels, (a, p, a, n)))
 
 
 def test_auto_on_cuda_tensors_prefers_the_measured_faster_backend(monkeypatch):

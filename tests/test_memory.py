@@ -153,22 +153,26 @@ def test_a_float64_memory_resumes_without_rounding():
     assert torch.equal(resumed(x, labels, ids), memory(x, labels, ids))
 
 
-def test_a_normalising_memory_refuses_rows_that_are_not_unit():
+def test_a_normalising_memory_refuses_rows_longer_than_unit():
     """A memory saved by a module that does not normalise holds raw rows: a normalising one would compare
-    them as unit rows (and a fused backend split them into float16 pieces), so loading them is refused.
-    Normalised rows rounded to bfloat16 load."""
+    them as unit rows (and a fused backend split them into float16 pieces), so loading rows longer than
+    unit is refused. Normalised rows rounded to bfloat16, and shorter rows, load."""
     data = list(batches(2, 6, 5, samples=30, classes=4, seed=4))
     plain, unit = (CrossBatchMemory(16, 5, normalize=flag, backend="reference") for flag in (False, True))
     for x, labels, ids in data:
         plain(x * 3, labels, ids)
         unit(x, labels, ids)
-    with pytest.raises(RuntimeError, match="12 rows that are not unit length"):
+    with pytest.raises(RuntimeError, match="12 rows longer than unit length"):
         CrossBatchMemory(16, 5, backend="reference").load_state_dict(plain.state_dict())
     CrossBatchMemory(16, 5, normalize=False, backend="reference").load_state_dict(plain.state_dict())
     rounded = dict(unit.state_dict(), embeddings=unit.embeddings.bfloat16())
     resumed = CrossBatchMemory(16, 5, backend="reference")
     resumed.load_state_dict(rounded)
     assert resumed.embeddings.dtype == torch.bfloat16 and resumed.filled == 12
+    tiny = dict(unit.state_dict(), embeddings=unit.embeddings * 1e-3)  # (rows of norm < 1e-12 normalise so)
+    CrossBatchMemory(16, 5, backend="reference").load_state_dict(tiny)
+    with torch.device("meta"):  # (a module built on the meta device loads without reading the rows)
+        CrossBatchMemory(16, 5, backend="reference").load_state_dict(plain.state_dict())
 
 
 def test_batch_larger_than_the_memory_keeps_its_last_rows():
