@@ -58,11 +58,16 @@ def check_embeddings(name, t):
         raise ValueError(f"{name} must have at least one column (D >= 1), got shape {tuple(t.shape)}")
 
 
+def is_integer(t):
+    """Whether tensor `t` holds integers (not bools, floats or complex numbers)."""
+    return not (t.dtype == torch.bool or t.is_floating_point() or t.is_complex())
+
+
 def check_keys(name, t, of_name, of):
     """`t`: one integer key per row of the tensor `of` (named `of_name` in the error)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+    if not is_integer(t):
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if t.dim() != 1 or t.shape[0] != of.shape[0]:
         raise ValueError(f"{name} must have shape [{of.shape[0]}] to match {of_name} {tuple(of.shape)}, "

@@ -8,7 +8,7 @@ reference (the fused kernels mine for themselves).
 import torch
 
 from . import backends
-from .common import check_hyper_parameters, check_inputs, unit_rows
+from .common import check_hyper_parameters, check_inputs, is_integer, unit_rows
 
 __all__ = ["BACKENDS", "MultiSimilarityLoss", "available_backends", "multi_similarity_loss", "normalized_rows",
            "unit_rows"]
@@ -156,8 +156,7 @@ def _check_indices(tensors, names, sizes):
     """indices_tuple's tensors: each 1-D, integer, its values rows in [0, size). The range takes one
     read back to the host for all of them, and none while torch.compile or a CUDA graph records."""
     for t, name in zip(tensors, names):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() \
-                or t.is_complex():
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not is_integer(t):
             raise TypeError(f"indices_tuple's {name} must be a 1-D integer tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
     recording = torch.compiler.is_compiling() or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())

@@ -169,7 +169,7 @@ def test_a_normalising_memory_refuses_rows_longer_than_unit():
     resumed = CrossBatchMemory(16, 5, backend="reference")
     resumed.load_state_dict(rounded)
     assert resumed.embeddings.dtype == torch.bfloat16 and resumed.filled == 12
-    tiny = dict(unit.state_dict(), embeddings=unit.embeddings * 1e-3)  # (rows of norm < 1e-12 normalise so)
+    tiny = dict(unit.state_dict(), embeddings=unit.embeddings * 1e-3)  # (shorter rows, as a row of norm below 1e-12 normalises)
     CrossBatchMemory(16, 5, backend="reference").load_state_dict(tiny)
     with torch.device("meta"):  # (a module built on the meta device loads without reading the rows)
         CrossBatchMemory(16, 5, backend="reference").load_state_dict(plain.state_dict())
