@@ -51,7 +51,7 @@ bench: build
 train-demo: build
 	$(PY) -m ms_loss_cuda.train --steps 300 --batch-size 512 --eval-every 100 --out runs/train-demo
 
-# The kanji experiment with the MS paper's protocol (every setting the same steps; about 70 minutes on
+# The kanji experiment with the MS paper's protocol (every setting the same steps; about an hour on
 # 2 cores); bench/kanji_experiment.py --protocol equal-images runs the equal-images comparison.
 experiment: build
 	$(PY) bench/kanji_experiment.py --out bench/results/experiment/fixed-steps

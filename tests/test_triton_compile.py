@@ -1,7 +1,7 @@
 """Static checks of the Triton kernels: every launch the dispatcher makes, compiled ahead of time
 for sm_80 (A100) and sm_90 (H100) without a GPU (tests/triton_aot.py), and for Blackwell, sm_100
 (B200) and sm_120 (RTX 50), at D = 512 in float16 and float32, uses tensor cores for every dtype,
-compiles without spills or a stack frame (bar a value of 8 bytes, see below) and fits the shared
+compiles without spills or a stack frame (up to 16 bytes, see below) and fits the shared
 memory of every GPU of its targets."""
 import json
 import os
