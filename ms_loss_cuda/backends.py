@@ -10,6 +10,7 @@ measured faster on an H100 (docs/benchmarks.md): triton for every dtype, then cu
 """
 import importlib
 import os
+from importlib.machinery import EXTENSION_SUFFIXES
 import warnings
 
 import torch
@@ -18,6 +19,7 @@ from . import ops, reference
 from .common import FLOAT_DTYPES, GPU_DTYPES, Backend, hyper_parameters_of
 
 NAMES = ("auto", "reference", "cpu", "triton", "cuda")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 class ReferenceBackend(Backend):
@@ -51,7 +53,9 @@ class ExtensionBackend(Backend):
         if reason is not None:
             return reason
         if ops.LOAD_ERROR is not None:
-            return f"the C++ extension ms_loss_cuda._C is not built or failed to load ({ops.LOAD_ERROR})"
+            if not any(os.path.exists(os.path.join(_PACKAGE, "_C" + suffix)) for suffix in EXTENSION_SUFFIXES):
+                return "the C++ extension ms_loss_cuda._C is not built" + _source_tree_note()
+            return f"the C++ extension ms_loss_cuda._C failed to load ({ops.LOAD_ERROR})"
         if self.device_type == "cpu":
             return None if device.type == "cpu" else f"it takes CPU tensors, got {device}"
         if not torch._C._dispatch_has_kernel_for_dispatch_key("ms_loss_cuda::ms_loss_forward", "CUDA"):
@@ -84,7 +88,18 @@ class LazyBackend(Backend):
             return self
 
     def unavailable_reason(self, device, dtype=None):
+        if getattr(self.error, "name", None) == self.module:  # (the package's own module, not what it needs)
+            return f"{self.module} is missing" + _source_tree_note()
         return f"{self.missing} could not be imported ({self.error}); install {self.missing}"
+
+
+def _source_tree_note():
+    """Why a part of the package may be missing: it was imported from a clone (setup.py beside it), whose
+    folder has neither the built extension nor the Triton kernels, which an install puts in place."""
+    if not os.path.isfile(os.path.join(os.path.dirname(_PACKAGE), "setup.py")):
+        return ""
+    return (f" (ms_loss_cuda was imported from the source tree {_PACKAGE}, not from its install: run from "
+            f"another directory, or install with pip install --no-build-isolation -e .)")
 
 
 # The backends, in the order "auto" tries them on each device type.

@@ -39,11 +39,14 @@ def _validated(embeddings, labels, name):
     no neighbours: faiss would return index -1 for it, which reads the last row's label) and one label
     a row; the labels on the CPU, integer ones as int64 (the sorts and searches take no unsigned or
     boolean keys)."""
-    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor [N, D], got {getattr(embeddings, 'shape', type(embeddings))}")
-    if not isinstance(labels, torch.Tensor) or labels.shape != (embeddings.shape[0],):
-        raise ValueError(f"{name} labels must be a tensor of shape [{embeddings.shape[0]}], got "
-                         f"{getattr(labels, 'shape', type(labels))}")
+    labels_name = "labels" if name == "embeddings" else f"{name}_labels"
+    for what, value in ((name, embeddings), (labels_name, labels)):
+        if not isinstance(value, torch.Tensor):  # (a numpy array: torch.from_numpy makes it one)
+            raise TypeError(f"{what} must be a torch tensor, got {type(value).__name__}")
+    if embeddings.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [N, D], got shape {tuple(embeddings.shape)}")
+    if labels.shape != (embeddings.shape[0],):
+        raise ValueError(f"{labels_name} must have shape [{embeddings.shape[0]}], got {tuple(labels.shape)}")
     if embeddings.numel() == 0:
         raise ValueError(f"{name} must have at least one row and one column, got shape {tuple(embeddings.shape)}")
     if not torch.isfinite(embeddings.detach()).all():
@@ -126,7 +129,7 @@ def _relevant_counts(query_labels, gallery_labels, leave_one_out):
 
 def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None):
     """{k: fraction of queries with at least one row of their label among their k nearest}."""
-    ks = sorted(set(int(k) for k in ks))
+    ks = sorted(set(int(k) for k in ((ks,) if isinstance(ks, int) else ks)))
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must hold at least one k, each at least 1, got {ks}")
     found = torch.zeros(len(ks), dtype=torch.int64)

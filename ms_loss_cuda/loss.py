@@ -69,6 +69,7 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
           normalize, reduction, backend):
     check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids)
     options = checked_options(options, reduction)
+    normalize = checked_flag("normalize", normalize)
     chosen = backends.resolve(backend, embeddings.device, embeddings.dtype) if masks is None else \
         backends.GivenPairs(masks)
     return chosen.loss(embeddings, labels, ids, ref_embeddings, ref_labels, ref_ids, options, normalize, reduction)
@@ -79,17 +80,28 @@ def checked_options(options, reduction):
     the four numbers as floats, after checking them and `reduction`."""
     options = dict(options)
     for name in ("alpha", "beta", "base", "epsilon"):
-        try:
-            options[name] = float(options[name])
-        except (TypeError, ValueError, RuntimeError):  # (None, a string, a tensor of several values)
-            raise TypeError(f"{name} must be a real number, got {options[name]!r}") from None
+        options[name] = _number(name, options[name])
     for name in ("mining", "skip_incomplete_anchors"):
-        options[name] = _flag(name, options[name])
+        options[name] = checked_flag(name, options[name])
     check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
     return options
 
 
-def _flag(name, value):
+def _number(name, value):
+    """`value` as a float: a real number, or a 0-d tensor that takes no gradient (the loss gives the
+    hyper-parameters none, so a learnable one would silently stay as it is)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise TypeError(f"{name} must be a number or a tensor that does not require grad: the loss takes no "
+                        f"gradient with respect to its hyper-parameters")
+    try:
+        if not isinstance(value, (str, bytes, bytearray)):
+            return float(value)
+    except (TypeError, ValueError, RuntimeError):  # (None, a tensor of several values)
+        pass
+    raise TypeError(f"{name} must be a real number, got {value!r}")
+
+
+def checked_flag(name, value):
     """`value` as a bool: True, False, or what equals 1 or 0 (numpy's bools, 0-d tensors, 0 and 1)."""
     try:
         if value is True or value is False or value == 1 or value == 0:
@@ -116,17 +128,28 @@ class MultiSimilarityLoss(torch.nn.Module):
                             skip_incomplete_anchors=skip_incomplete_anchors)
         checked_options(self.options, reduction)
         backends.check_name(backend)
-        self.normalize, self.reduction, self.backend = normalize, reduction, backend
+        self.normalize, self.reduction, self.backend = checked_flag("normalize", normalize), reduction, backend
 
     def extra_repr(self):
-        return ", ".join(f"{k}={v}" for k, v in self.options.items()) + f", backend={self.backend!r}"
+        return (", ".join(f"{k}={v}" for k, v in self.options.items())
+                + f", normalize={self.normalize}, reduction={self.reduction!r}, backend={self.backend!r}")
 
-    def forward(self, embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None):
+    def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         masks = None
         if indices_tuple is not None:
             masks = _pair_masks_from_indices(indices_tuple, embeddings, ref_emb)
+            # (the pairs replace the labels, which pytorch-metric-learning lets the caller leave out)
+            labels = _unused_labels(embeddings) if labels is None else labels
+            ref_labels = _unused_labels(ref_emb) if ref_labels is None and ref_emb is not None else ref_labels
+        elif labels is None:
+            raise ValueError("MultiSimilarityLoss needs labels, unless an indices_tuple gives the pairs")
         return _loss(embeddings, labels, ref_emb, ref_labels, None, None, masks, self.options,
                      self.normalize, self.reduction, self.backend)
+
+
+def _unused_labels(embeddings):
+    """Labels for the checks where an indices_tuple gives the pairs (one class: the masks replace them)."""
+    return torch.zeros(embeddings.shape[0], dtype=torch.int64, device=embeddings.device)
 
 
 def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):

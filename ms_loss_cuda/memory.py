@@ -6,7 +6,7 @@ import torch
 
 from . import backends
 from .common import HYPER_PARAMETERS, check_inputs
-from .loss import checked_options, multi_similarity_loss, normalized_rows
+from .loss import checked_flag, checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 _DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
@@ -64,15 +64,20 @@ class CrossBatchMemory(torch.nn.Module):
         if not 0 <= weight < float("inf"):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         self.size, self.dim, self.weight, self.warmup = size, dim, float(weight), warmup
-        self.normalize = loss_options.pop("normalize", True)
+        self.normalize = checked_flag("normalize", loss_options.pop("normalize", True))
         self.loss_options = loss_options
+        options = dict(_DEFAULTS, **loss_options)  # (checked here too, so that a bad one fails at once)
+        checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
+        backends.check_name(options["backend"])
         self.register_buffer("embeddings", torch.zeros(size, dim))
         self.register_buffer("labels", torch.zeros(size, dtype=torch.int64))
         self.register_buffer("ids", torch.zeros(size, dtype=torch.int64))
         self.position = self.filled = self.calls = 0  # host integers, saved through get_extra_state
 
     def extra_repr(self):
-        return f"size={self.size}, dim={self.dim}, weight={self.weight}, warmup={self.warmup}, filled={self.filled}"
+        options = "".join(f", {name}={value!r}" for name, value in self.loss_options.items())
+        return (f"size={self.size}, dim={self.dim}, weight={self.weight}, warmup={self.warmup}, "
+                f"normalize={self.normalize}{options}, filled={self.filled}")
 
     def get_extra_state(self):
         return {"position": self.position, "filled": self.filled, "calls": self.calls}

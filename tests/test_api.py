@@ -57,13 +57,25 @@ def test_type_errors(kwargs):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(alpha=None), "alpha must be a real number, got None"),
     (dict(beta=torch.tensor([2.0, 3.0])), "beta must be a real number"),
+    (dict(alpha="2"), "alpha must be a real number, got '2'"),
+    (dict(base=b"0.5"), "base must be a real number"),
+    (dict(alpha=torch.tensor(2.0, requires_grad=True)), "alpha must be a number or a tensor that does not require"),
     (dict(mining="no"), "mining must be True or False, got 'no'"),
     (dict(skip_incomplete_anchors=2), "skip_incomplete_anchors must be True or False"),
+    (dict(normalize="False"), "normalize must be True or False, got 'False'"),
+    (dict(normalize=None), "normalize must be True or False, got None"),
 ])
 def test_hyper_parameters_of_the_wrong_type_are_named(kwargs, message):
-    for make in (lambda: call(**kwargs), lambda: MultiSimilarityLoss(**kwargs)):
+    for make in (lambda: call(**kwargs), lambda: MultiSimilarityLoss(**kwargs),
+                 lambda: ms_loss_cuda.CrossBatchMemory(16, 4, **kwargs)):
         with pytest.raises(TypeError, match=message):
             make()
+
+
+def test_reprs_show_every_option():
+    assert "normalize=False, reduction='sum'" in repr(MultiSimilarityLoss(normalize=False, reduction="sum"))
+    memory = repr(ms_loss_cuda.CrossBatchMemory(16, 4, normalize=False, alpha=3.0, backend="reference"))
+    assert "normalize=False, alpha=3.0, backend='reference'" in memory
 
 
 def test_flags_that_equal_a_bool_are_taken_as_one():
@@ -145,6 +157,19 @@ def test_available_backends_and_explicit_requests():
                 multi_similarity_loss(x, labels, backend=backend)
 
 
+def test_a_missing_part_of_the_package_is_told_from_a_missing_dependency():
+    """A backend module of the package itself that is missing (a clone's source folder, imported in place of
+    the install) is said to be so, with the way out; a missing dependency is named for installing."""
+    from ms_loss_cuda.backends import LazyBackend
+
+    own = LazyBackend("x", "ms_loss_cuda.no_such_backend", ("cuda",), (torch.float16,), "triton").load()
+    reason = own.unavailable_reason(torch.device("cpu"))
+    assert reason.startswith("ms_loss_cuda.no_such_backend is missing (ms_loss_cuda was imported from the source tree")
+    # (the module's import fails on another module: the dependency)
+    dependency = LazyBackend("x", "no_such_dependency.kernels", ("cuda",), (torch.float16,), "no_such_dependency")
+    assert dependency.load().unavailable_reason(torch.device("cpu")).endswith("; install no_such_dependency")
+
+
 def test_environment_overrides_auto(monkeypatch):
     x, labels = make_batch(8, 4, 3)
     monkeypatch.setenv("MS_LOSS_BACKEND", "no-such-backend")
@@ -187,6 +212,20 @@ def test_indices_tuple_is_checked():
     with pytest.raises(ValueError, match=r"n must hold row indices in \[0, 9\)"):
         module(x, labels, (a, p, a, torch.tensor([2, 9])), ref, torch.zeros(9, dtype=torch.long))
     assert module(x, labels, indices_tuple=(a, p, a, n)) > 0
+
+
+def test_indices_tuple_without_labels_as_pytorch_metric_learning_takes_it():
+    """With an indices_tuple the pairs replace the labels, which may then be left out (ref_labels too)."""
+    x, labels = make_batch(9, 4, 3)
+    ref, ref_labels = torch.randn(7, 4), torch.arange(7) % 3
+    module, a, p, n = MultiSimilarityLoss(), torch.tensor([0, 1, 2]), torch.tensor([1, 0, 5]), torch.tensor([4, 6, 3])
+    for ref_args in ((), (ref, ref_labels)):
+        expected = module(x, labels, (a, p, a, n), *ref_args)
+        torch.testing.assert_close(module(x, None, (a, p, a, n), *ref_args[:1]), expected, rtol=0, atol=0)
+        # the labels play no part: other ones give the same loss
+        torch.testing.assert_close(module(x, labels.flip(0), (a, p, a, n), *ref_args), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="needs labels, unless an indices_tuple gives the pairs"):
+        module(x, None)
 
 
 def test_indices_tuple_under_torch_compile():

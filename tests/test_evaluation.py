@@ -90,8 +90,12 @@ def test_bad_input():
     x, labels = torch.randn(10, 4), torch.arange(10) % 3
     with pytest.raises(ValueError, match="k = 10 needs between 1 and 9"):
         evaluation.recall_at_k(x, labels, ks=(1, 10), use_faiss=False)
-    with pytest.raises(ValueError, match="labels must be a tensor of shape"):
+    with pytest.raises(ValueError, match=r"labels must have shape \[10\], got \(5,\)"):
         evaluation.recall_at_k(x, labels[:5], ks=(1,))
+    with pytest.raises(TypeError, match="embeddings must be a torch tensor, got ndarray"):
+        evaluation.evaluate(x.numpy(), labels)
+    assert evaluation.recall_at_k(x, labels, ks=1, use_faiss=False) == \
+        evaluation.recall_at_k(x, labels, ks=(1,), use_faiss=False)
     with pytest.raises(ValueError, match="gallery D"):
         evaluation.recall_at_k(x, labels, ks=(1,), gallery=torch.randn(5, 3), gallery_labels=torch.arange(5))
     for ks in ((), (0, 1)):
@@ -100,9 +104,9 @@ def test_bad_input():
     for function in (evaluation.recall_at_k, evaluation.map_at_r):
         with pytest.raises(ValueError, match="at least one row"):
             function(x[:0], labels[:0], use_faiss=False)
-        with pytest.raises(ValueError, match="gallery labels must be a tensor"):
+        with pytest.raises(TypeError, match="gallery_labels must be a torch tensor, got NoneType"):
             function(x, labels, gallery=x, gallery_labels=None, use_faiss=False)
-        with pytest.raises(ValueError, match="labels must be a tensor"):
+        with pytest.raises(TypeError, match="labels must be a torch tensor, got list"):
             function(x, labels.tolist(), use_faiss=False)
     assert [t.shape for t in evaluation.knn(x[:0], x, 2, use_faiss=False)] == [(0, 2), (0, 2)]
 

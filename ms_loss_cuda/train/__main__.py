@@ -97,7 +97,7 @@ def build_parser():
     _option(g, "--milestones", type=float, nargs="*", default=(0.4, 0.8), help="step schedule: fractions of --steps")
     _option(g, "--gamma", type=float, default=0.1, help="step schedule: factor at each milestone")
     _option(g, "--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
-    _option(g, "--amp", choices=("off", "bf16", "fp16"), default="off", help="mixed precision (CUDA)")
+    _option(g, "--amp", choices=("off", "bf16", "fp16"), default="off", help="mixed precision, on CUDA")
     _option(g, "--device", help="the device to train on", shown="the local rank's GPU when cuda is available, else cpu")
     _option(g, "--seed", type=int, default=0, help="seeds the weights, the batches and the augmentations")
     g = p.add_argument_group("loss (ms_loss_cuda.multi_similarity_loss)")
@@ -131,6 +131,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if min(args.ks) < 1:
         parser.error(f"--ks: every k must be at least 1, got {' '.join(map(str, args.ks))}")
+    if args.per_class < 1 or args.batch_size < 1 or args.batch_size % args.per_class:
+        parser.error(f"--batch-size ({args.batch_size}) must be a positive multiple of --per-class "
+                     f"({args.per_class}): a batch is classes of --per-class samples each")
     if args.backbone is None:
         args.backbone = "linear" if args.data == "features" else "convnet"
     if args.image_size is None:
@@ -144,6 +147,10 @@ def init_processes(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU")
+    if args.amp != "off" and device.type != "cuda":
+        raise SystemExit(f"--amp {args.amp} is mixed precision on CUDA; on {device.type} pass --amp off")
     if device.type == "cuda":
         if world > 1 and device.index is not None:
             raise SystemExit("under torchrun every process takes its LOCAL_RANK's GPU: pass --device cuda, no index")
@@ -181,8 +188,11 @@ def load_data(args):
     if args.data == "features":
         if not (args.train_features and args.test_features):
             raise SystemExit("--data features needs --train-features and --test-features")
-        return [TensorData(*data.read_features(f, l)) for f, l in ((args.train_features, args.train_labels),
-                                                                   (args.test_features, args.test_labels))]
+        try:
+            return [TensorData(*data.read_features(f, l)) for f, l in ((args.train_features, args.train_labels),
+                                                                       (args.test_features, args.test_labels))]
+        except ValueError as error:  # (a file that holds no features or labels of the right kind)
+            raise SystemExit(str(error)) from None
     if not args.root:
         raise SystemExit(f"--data {args.data} needs --root")
     if args.data == "sop":
@@ -273,7 +283,7 @@ def evaluate(model, test, args, device):
 
 
 def autocast(args, device):
-    if args.amp == "off" or device.type != "cuda":
+    if args.amp == "off":  # (init_processes refuses --amp off CUDA)
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 
@@ -380,8 +390,11 @@ def main(argv=None):
 
     if not history:
         record(0.0, 0.0, 0, 0.0)
-    sampler = data.ClassBalancedBatches(train.labels, args.batch_size, args.per_class, args.steps, rank=rank,
-                                        world_size=world, seed=args.seed, start=step)
+    try:
+        sampler = data.ClassBalancedBatches(train.labels, args.batch_size, args.per_class, args.steps, rank=rank,
+                                            world_size=world, seed=args.seed, start=step)
+    except ValueError as error:  # (too few classes for the batch, or a batch the processes cannot share)
+        raise SystemExit(str(error)) from None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
