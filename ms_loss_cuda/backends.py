@@ -8,9 +8,9 @@ it needs Triton). `"auto"` ($MS_LOSS_BACKEND when set) takes the first backend o
 warning once a process (the dense backend holds B x R matrices). On CUDA the order is the one
 measured faster on an H100 (docs/benchmarks.md): triton for every dtype, then cuda.
 """
+import glob
 import importlib
 import os
-from importlib.machinery import EXTENSION_SUFFIXES
 import warnings
 
 import torch
@@ -53,7 +53,7 @@ class ExtensionBackend(Backend):
         if reason is not None:
             return reason
         if ops.LOAD_ERROR is not None:
-            if not any(os.path.exists(os.path.join(_PACKAGE, "_C" + suffix)) for suffix in EXTENSION_SUFFIXES):
+            if not glob.glob(os.path.join(_PACKAGE, "_C.*")):  # (one built for another Python: failed to load)
                 return "the C++ extension ms_loss_cuda._C is not built" + _source_tree_note()
             return f"the C++ extension ms_loss_cuda._C failed to load ({ops.LOAD_ERROR})"
         if self.device_type == "cpu":
@@ -88,18 +88,20 @@ class LazyBackend(Backend):
             return self
 
     def unavailable_reason(self, device, dtype=None):
-        if getattr(self.error, "name", None) == self.module:  # (the package's own module, not what it needs)
-            return f"{self.module} is missing" + _source_tree_note()
+        missing = getattr(self.error, "name", None) or ""
+        if missing == self.module or missing.startswith(self.module + "."):  # (the package's own, not a dependency)
+            return f"{missing} is missing" + _source_tree_note()
         return f"{self.missing} could not be imported ({self.error}); install {self.missing}"
 
 
 def _source_tree_note():
-    """Why a part of the package may be missing: it was imported from a clone (setup.py beside it), whose
-    folder has neither the built extension nor the Triton kernels, which an install puts in place."""
+    """Why a part of the package may be missing: it was imported from a clone's source folder (setup.py
+    beside it), which holds neither the built extension nor the Triton kernels until an editable install
+    puts them in place."""
     if not os.path.isfile(os.path.join(os.path.dirname(_PACKAGE), "setup.py")):
         return ""
-    return (f" (ms_loss_cuda was imported from the source tree {_PACKAGE}, not from its install: run from "
-            f"another directory, or install with pip install --no-build-isolation -e .)")
+    return (f" (ms_loss_cuda was imported from the source folder {_PACKAGE}: build it there with pip install "
+            f"--no-build-isolation -e ., or run from outside the clone after pip install .)")
 
 
 # The backends, in the order "auto" tries them on each device type.

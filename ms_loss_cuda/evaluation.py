@@ -9,6 +9,7 @@ never by value, so duplicates of a query still count.
 Recall@K, precision@1 and MAP@R need torch alone; faiss (faiss-cpu) and numpy, its array type, are
 imported only on the faiss path. NMI needs scikit-learn (`pip install "ms-loss-cuda[eval]"`).
 """
+import operator
 import warnings
 
 import torch
@@ -127,9 +128,18 @@ def _relevant_counts(query_labels, gallery_labels, leave_one_out):
     return found - (1 if leave_one_out else 0)
 
 
+def _is_one_integer(value):
+    """A Python, numpy or 0-d tensor integer (a k alone, where a sequence of them is expected)."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None):
     """{k: fraction of queries with at least one row of their label among their k nearest}."""
-    ks = sorted(set(int(k) for k in ((ks,) if isinstance(ks, int) else ks)))
+    ks = sorted(set(int(k) for k in ((ks,) if _is_one_integer(ks) else ks)))
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must hold at least one k, each at least 1, got {ks}")
     found = torch.zeros(len(ks), dtype=torch.int64)

@@ -114,19 +114,20 @@ def checked_flag(name, value):
 class MultiSimilarityLoss(torch.nn.Module):
     """Drop-in for pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner.
 
-    `forward(embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None)` has
+    `forward(embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None)` has
     pytorch-metric-learning's signature. Without `indices_tuple` the loss mines itself
     (`mining=True`, epsilon) on the fused backend; with `indices_tuple` (a1, p, a2, n) or
     (anchor, positive, negative) from any miner, the loss is computed on exactly those pairs
-    by the dense reference backend. Options are those of `multi_similarity_loss`.
+    by the dense reference backend, and the labels may be left out. Options are those of
+    `multi_similarity_loss`.
     """
 
     def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=0.1, *, mining=True, normalize=True,
                  reduction="mean", skip_incomplete_anchors=False, backend="auto"):
         super().__init__()
-        self.options = dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
-                            skip_incomplete_anchors=skip_incomplete_anchors)
-        checked_options(self.options, reduction)
+        # (kept as checked: floats and bools, so that no call converts a tensor again)
+        self.options = checked_options(dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
+                                            skip_incomplete_anchors=skip_incomplete_anchors), reduction)
         backends.check_name(backend)
         self.normalize, self.reduction, self.backend = checked_flag("normalize", normalize), reduction, backend
 
@@ -139,17 +140,20 @@ class MultiSimilarityLoss(torch.nn.Module):
         if indices_tuple is not None:
             masks = _pair_masks_from_indices(indices_tuple, embeddings, ref_emb)
             # (the pairs replace the labels, which pytorch-metric-learning lets the caller leave out)
-            labels = _unused_labels(embeddings) if labels is None else labels
-            ref_labels = _unused_labels(ref_emb) if ref_labels is None and ref_emb is not None else ref_labels
+            given = labels if labels is not None else ref_labels
+            labels = _unused_labels(embeddings, given) if labels is None else labels
+            ref_labels = _unused_labels(ref_emb, given) if ref_labels is None and ref_emb is not None else ref_labels
         elif labels is None:
             raise ValueError("MultiSimilarityLoss needs labels, unless an indices_tuple gives the pairs")
         return _loss(embeddings, labels, ref_emb, ref_labels, None, None, masks, self.options,
                      self.normalize, self.reduction, self.backend)
 
 
-def _unused_labels(embeddings):
-    """Labels for the checks where an indices_tuple gives the pairs (one class: the masks replace them)."""
-    return torch.zeros(embeddings.shape[0], dtype=torch.int64, device=embeddings.device)
+def _unused_labels(embeddings, given):
+    """Labels for the checks where an indices_tuple gives the pairs (one class: the masks replace them), of
+    the dtype of the labels `given` at the other end, if any, so that the two ends' dtypes agree."""
+    dtype = given.dtype if isinstance(given, torch.Tensor) and is_integer(given) else torch.int64
+    return torch.zeros(embeddings.shape[0], dtype=dtype, device=embeddings.device)
 
 
 def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):

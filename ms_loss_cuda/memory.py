@@ -65,10 +65,10 @@ class CrossBatchMemory(torch.nn.Module):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         self.size, self.dim, self.weight, self.warmup = size, dim, float(weight), warmup
         self.normalize = checked_flag("normalize", loss_options.pop("normalize", True))
-        self.loss_options = loss_options
-        options = dict(_DEFAULTS, **loss_options)  # (checked here too, so that a bad one fails at once)
-        checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
+        options = dict(_DEFAULTS, **loss_options)  # (checked here, so that a bad one fails at once)
+        checked = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
         backends.check_name(options["backend"])
+        self.loss_options = {name: checked.get(name, value) for name, value in loss_options.items()}
         self.register_buffer("embeddings", torch.zeros(size, dim))
         self.register_buffer("labels", torch.zeros(size, dtype=torch.int64))
         self.register_buffer("ids", torch.zeros(size, dtype=torch.int64))

@@ -72,6 +72,14 @@ def test_hyper_parameters_of_the_wrong_type_are_named(kwargs, message):
             make()
 
 
+def test_tensor_hyper_parameters_are_kept_as_numbers():
+    module = MultiSimilarityLoss(alpha=torch.tensor(3.0), mining=torch.tensor(True))
+    assert type(module.options["alpha"]) is float and module.options["alpha"] == 3.0
+    assert module.options["mining"] is True
+    memory = ms_loss_cuda.CrossBatchMemory(16, 4, beta=torch.tensor(40.0))
+    assert type(memory.loss_options["beta"]) is float
+
+
 def test_reprs_show_every_option():
     assert "normalize=False, reduction='sum'" in repr(MultiSimilarityLoss(normalize=False, reduction="sum"))
     memory = repr(ms_loss_cuda.CrossBatchMemory(16, 4, normalize=False, alpha=3.0, backend="reference"))
@@ -164,7 +172,7 @@ def test_a_missing_part_of_the_package_is_told_from_a_missing_dependency():
 
     own = LazyBackend("x", "ms_loss_cuda.no_such_backend", ("cuda",), (torch.float16,), "triton").load()
     reason = own.unavailable_reason(torch.device("cpu"))
-    assert reason.startswith("ms_loss_cuda.no_such_backend is missing (ms_loss_cuda was imported from the source tree")
+    assert reason.startswith("ms_loss_cuda.no_such_backend is missing (ms_loss_cuda was imported from the source")
     # (the module's import fails on another module: the dependency)
     dependency = LazyBackend("x", "no_such_dependency.kernels", ("cuda",), (torch.float16,), "no_such_dependency")
     assert dependency.load().unavailable_reason(torch.device("cpu")).endswith("; install no_such_dependency")
@@ -226,6 +234,10 @@ def test_indices_tuple_without_labels_as_pytorch_metric_learning_takes_it():
         torch.testing.assert_close(module(x, labels.flip(0), (a, p, a, n), *ref_args), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="needs labels, unless an indices_tuple gives the pairs"):
         module(x, None)
+    # the labels left out take the dtype of those given at the other end, which must match
+    wide = ref_labels.to(torch.uint64)
+    expected = module(x, labels, (a, p, a, n), ref, ref_labels)
+    torch.testing.assert_close(module(x, None, (a, p, a, n), ref, wide), expected)
 
 
 def test_indices_tuple_under_torch_compile():

@@ -94,8 +94,9 @@ def test_bad_input():
         evaluation.recall_at_k(x, labels[:5], ks=(1,))
     with pytest.raises(TypeError, match="embeddings must be a torch tensor, got ndarray"):
         evaluation.evaluate(x.numpy(), labels)
-    assert evaluation.recall_at_k(x, labels, ks=1, use_faiss=False) == \
-        evaluation.recall_at_k(x, labels, ks=(1,), use_faiss=False)
+    for k in (2, torch.tensor(2), torch.tensor(2).numpy()[()]):  # (one k, of any integer type)
+        assert evaluation.recall_at_k(x, labels, ks=k, use_faiss=False) == \
+            evaluation.recall_at_k(x, labels, ks=(2,), use_faiss=False)
     with pytest.raises(ValueError, match="gallery D"):
         evaluation.recall_at_k(x, labels, ks=(1,), gallery=torch.randn(5, 3), gallery_labels=torch.arange(5))
     for ks in ((), (0, 1)):

@@ -93,16 +93,22 @@ def test_bad_arguments(tmp_path, capsys):
         main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--batch-size", 30))
     assert "--batch-size (30) must be a positive multiple of --per-class (4)" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"a batch of 400 with 4 per class needs 100"):  # (48 classes)
-        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--batch-size", 400))
+        main(_kanji_args(tmp_path / "few", tmp_path / "cache", "--steps", 1, "--batch-size", 400))
+    assert not (tmp_path / "few" / "checkpoint.pt").exists()  # (refused before the first evaluation)
     with pytest.raises(SystemExit, match="--amp bf16 is mixed precision on CUDA; on cpu pass --amp off"):
         main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--amp", "bf16", "--device", "cpu"))
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: this torch .* sees no CUDA GPU"):
             main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--device", "cuda"))
     np.save(tmp_path / "bare.npy", np.zeros((8, 4), dtype=np.float32))
-    with pytest.raises(SystemExit, match="holds a bare array; pass its labels file too"):
-        main(["--data", "features", "--train-features", str(tmp_path / "bare.npy"), "--test-features",
-              str(tmp_path / "bare.npy"), "--out", str(tmp_path / "run")])
+    torch.save({"feats": torch.zeros(8, 4), "targets": torch.zeros(8)}, tmp_path / "keys.pt")
+    torch.save(np.zeros((8, 4)), tmp_path / "pickled.pt")
+    for name, message in (("bare.npy", "holds a bare array; pass its labels file too"),
+                          ("keys.pt", r"must hold 'features' and 'labels'.*it holds \['feats', 'targets'\]"),
+                          ("pickled.pt", "pickled.pt: not an array or a dict of tensors")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--data", "features", "--train-features", str(tmp_path / name), "--test-features",
+                  str(tmp_path / name), "--out", str(tmp_path / "run")])
     with pytest.raises(FileNotFoundError, match="Ebay_train.txt"):
         main(["--data", "sop", "--root", str(tmp_path), "--out", str(tmp_path / "run")])
     with pytest.raises(SystemExit):  # argparse's usage error (exit status 2)

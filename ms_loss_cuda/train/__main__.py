@@ -388,13 +388,13 @@ def main(argv=None):
         if world > 1:
             dist.barrier()
 
-    if not history:
-        record(0.0, 0.0, 0, 0.0)
-    try:
+    try:  # (before the first evaluation, which may take long)
         sampler = data.ClassBalancedBatches(train.labels, args.batch_size, args.per_class, args.steps, rank=rank,
                                             world_size=world, seed=args.seed, start=step)
     except ValueError as error:  # (too few classes for the batch, or a batch the processes cannot share)
         raise SystemExit(str(error)) from None
+    if not history:
+        record(0.0, 0.0, 0, 0.0)
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 

@@ -7,6 +7,7 @@ FileNotFoundError naming the path. Nothing is silently dropped.
 """
 import math
 import os
+import pickle
 
 import numpy as np
 import torch
@@ -66,11 +67,17 @@ def read_folders(root):
 
 
 def _load_array(path):
-    if path.endswith(".npy"):
-        return torch.from_numpy(np.load(path))
-    if path.endswith(".pt"):
+    """A .npy array or a .pt file's tensors (no pickled objects: weights_only), each as tensors; ValueError
+    naming the file where it holds something else."""
+    if not path.endswith((".npy", ".pt")):
+        raise ValueError(f"{path}: features and labels are read from .npy or .pt files")
+    try:
+        if path.endswith(".npy"):
+            return torch.from_numpy(np.load(path))
         return torch.load(path, map_location="cpu", weights_only=True)
-    raise ValueError(f"{path}: features and labels are read from .npy or .pt files")
+    except (ValueError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
+        raise ValueError(f"{path}: not an array or a dict of tensors that can be read without unpickling objects "
+                         f"({error})") from None
 
 
 def read_features(features, labels=None):
@@ -79,7 +86,7 @@ def read_features(features, labels=None):
     {"features": [N, D], "labels": [N]}. Returns (features float32, labels int64)."""
     data = _load_array(_require(features))
     if isinstance(data, dict):
-        if labels is not None or set(data) < {"features", "labels"}:
+        if labels is not None or not {"features", "labels"} <= set(data):
             raise ValueError(f"{features}: a .pt dict must hold 'features' and 'labels' (and no labels file is "
                              f"given beside it); it holds {sorted(data)}")
         data, targets = data["features"], data["labels"]
