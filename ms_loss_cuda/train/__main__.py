@@ -283,7 +283,7 @@ def evaluate(model, test, args, device):
 
 
 def autocast(args, device):
-    if args.amp == "off":  # (init_processes refuses --amp off CUDA)
+    if args.amp == "off":  # (init_processes refuses --amp on any device but CUDA)
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 

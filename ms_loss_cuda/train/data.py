@@ -67,8 +67,8 @@ def read_folders(root):
 
 
 def _load_array(path):
-    """A .npy array or a .pt file's tensors (no pickled objects: weights_only), each as tensors; ValueError
-    naming the file where it holds something else."""
+    """The contents of a .npy file (a tensor) or of a .pt file (tensors only: weights_only); a ValueError
+    that names the file where it holds anything else."""
     if not path.endswith((".npy", ".pt")):
         raise ValueError(f"{path}: features and labels are read from .npy or .pt files")
     try:
