@@ -5,6 +5,8 @@ Dense: it builds the B x R similarity matrix and its masks, so memory grows as B
 from autograd through ordinary torch ops; the mining masks are constants, as in the paper's code
 and in pytorch-metric-learning. Inputs are used as given (the public API normalises beforehand).
 """
+import contextlib
+
 import torch
 
 from .common import reduce_losses
@@ -77,7 +79,10 @@ def multi_similarity_loss(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xs = x.to(compute)
     rs = xs if ref_x is None else ref_x.to(compute)
-    with torch.autocast(x.device.type, enabled=False):  # (autocast would make the product 16-bit)
+    # (autocast would make the product 16-bit; meta tensors, for shapes alone, have no autocast)
+    no_autocast = torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
+        else contextlib.nullcontext()
+    with no_autocast:
         s = xs @ rs.T
     if masks is None:
         pos, neg = pair_masks(labels, ref_labels, ids, ref_ids)

@@ -178,6 +178,17 @@ def test_a_missing_part_of_the_package_is_told_from_a_missing_dependency():
     assert dependency.load().unavailable_reason(torch.device("cpu")).endswith("; install no_such_dependency")
 
 
+def test_meta_tensors_give_shapes_through_the_reference():
+    """Shape inference on the meta device: "auto" takes the reference there, which has no autocast to leave."""
+    x = torch.randn(8, 4, device="meta", requires_grad=True)
+    labels = torch.arange(8, device="meta") % 2
+    for reduction, shape in (("mean", ()), ("none", (8,))):
+        loss = multi_similarity_loss(x, labels, reduction=reduction)
+        assert loss.device.type == "meta" and loss.shape == shape and loss.dtype == torch.float32
+    loss.sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == (8, 4)
+
+
 def test_environment_overrides_auto(monkeypatch):
     x, labels = make_batch(8, 4, 3)
     monkeypatch.setenv("MS_LOSS_BACKEND", "no-such-backend")
