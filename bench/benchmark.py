@@ -38,8 +38,8 @@ import tempfile
 import time
 
 # (bench/, this script's folder; the other bench scripts take make_inputs, step_function and HARDNESS from here)
-from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PROVIDERS, TUNED, describe, make_inputs,
-                       step_function)
+from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PROVIDERS, SYMMETRIC, TUNED, describe,
+                       make_inputs, step_function)
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -449,6 +449,8 @@ def main():
                    "dtype": args.dtype, "hardness": "mining off" if args.no_mining else args.hardness,
                    "mined": mined}
             skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
+            if provider in SYMMETRIC and ref_rows is not None:
+                skip = "skipped (the self case's variant: a bank runs as triton)"
             print(f"[{shape_name(batch, ref_rows):>14}] {provider:<14} ", end="", flush=True)
             if skip:
                 row["status"] = skip

@@ -7,6 +7,8 @@ tests/triton_aot.py checks every launch for spills with the Triton the project p
                                      [--tiles 128,64,64,8,3 ...]
     python bench/kernel_resources.py --dtype float32 --precision fp16x3   (float32's S tiles as float16 products)
     python bench/kernel_resources.py --resident --kernels negatives   (triton-resident's negatives kernel)
+    python bench/kernel_resources.py --kernels symmetric   (triton-symmetric's negatives pass, which
+                                                            tests/triton_aot.py plans beside the shipped ones)
 --rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
 divisibility hint on the row and column ends, and can change registers and spills).
 The SASS count is the whole kernel, both sides of every branch; "wgmma" counts its Hopper
@@ -86,7 +88,9 @@ def main():
                 launch = launch._replace(constexprs=dict(launch.constexprs, BLOCK_M=block_m, BLOCK_N=block_n,
                                                          BLOCK_K=block_k), num_warps=warps, num_stages=stages,
                                          max_registers=None)  # (the shipped cap is for the shipped warps)
-            c = launch.constexprs
+            c = dict(launch.constexprs)
+            c.setdefault("BLOCK_M", c.get("BLOCK"))  # (symmetric_negatives_kernel's square tiles)
+            c.setdefault("BLOCK_N", c.get("BLOCK"))
             depth = f" (rows of {c['RESIDENT_D']} kept)" if c.get("RESIDENT_D") else f" x {c['BLOCK_K']}"
             depth += f" x {c['COLUMN_TILES']} a program" if c.get("COLUMN_TILES", 1) > 1 else ""
             shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']}{depth}, {launch.num_warps} warps, "

@@ -1,6 +1,7 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
 triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep),
-triton-fp16x3 and triton-resident, and the chunked backward's choice of products, for triton-unsplit.
+triton-fp16x3, triton-resident and triton-symmetric, and the chunked backward's choice of products,
+for triton-unsplit.
 
 triton-resident asks whether the forward's negatives kernel and the chunked backward's weights are
 bound by the operand bytes their tiles read from L2: both read about 6.5 TB/s of operands in the
@@ -9,6 +10,13 @@ kernel at 37% of L2's peak, and an earlier variant that read all of D in one blo
 (docs/triton.md, "Operand traffic of the negatives pass"), so a small gain would not surprise. With
 the rows resident a tile reads only its 32 columns, 8 bytes a pair; a weights program, which holds
 one tile, walks several.
+
+triton-symmetric asks how much the forward gains from S's symmetry in the self case. The shipped
+negatives pass computes every tile of S once for its rows; symmetric_negatives_kernel computes half
+of them and sums each for both ends, its rows and its columns, so it does half the products and
+the same exponentials, and writes a partial per column tile (its memory grows with B^2 / 256 floats,
+so batches whose partials pass 256 MiB keep the shipped pass). How much of the pass the products
+take on a GPU is what it measures.
 
 triton-fp16x3 asks whether the float32 S tiles should take float16 tensor cores. Their shipped form,
 "tf32x3", is three TF32 products. "fp16x3" is three float16 products of unit rows split into a float16
@@ -92,6 +100,23 @@ def resident_tiles(table=None):
             return dict(entry, NEGATIVES_TILES=resident)
         resident.update(BLOCK_M=entry["BLOCK_M"], num_warps=8, COLUMN_TILES=WEIGHTS_COLUMN_TILES)
         return dict(entry, **resident, TRIANGLE_TILES=resident)
+
+    return config
+
+
+def symmetric_tiles(table=None):
+    """`table` (the shipped tile table unless given) with the self case's negatives pass on half the tiles
+    (triton-symmetric: forward_kernels.symmetric_negatives_kernel), where the forward's tiles are square
+    (16-bit rows on a GPU, every dtype under the interpreter)."""
+    from ms_loss_cuda.triton_kernels import launcher
+
+    table = table or launcher.tile_config
+
+    def config(kind, *args, **kwargs):
+        entry = table(kind, *args, **kwargs)
+        if kind != "forward" or entry["BLOCK_M"] != entry["BLOCK_N"]:
+            return entry
+        return dict(entry, NEGATIVES_TILES=dict(entry.get("NEGATIVES_TILES", {}), SYMMETRIC=True))
 
     return config
 

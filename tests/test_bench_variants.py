@@ -1,7 +1,7 @@
 """The benchmark's variants of the Triton backend (bench/triton_internals.py) compute the same loss:
 triton-unsplit's float32 backward products (one float32 product each, without the shipped float16
-pieces) give the shipped gradient within float32's tolerance; triton-fp16x3's and triton-resident's
-tiles the float64 reference's."""
+pieces) give the shipped gradient within float32's tolerance; triton-fp16x3's, triton-resident's and
+triton-symmetric's tiles the float64 reference's."""
 import os
 import sys
 
@@ -112,6 +112,82 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
     assert negatives and all(c["RESIDENT_D"] == 64 for c in negatives)
     assert weights and all(c["RESIDENT_D"] == 64 and c["COLUMN_TILES"] > 1 for c in weights)
     assert any(c["BOTH_LIFTS"] for c in weights) == case.startswith("self")  # (the triangle)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("batch, multiprocessors", [(40, 4), (100, 4), (448, 4), (640, 8)])
+@pytest.mark.parametrize("case, mining", [("self", True), ("shared_ids", True), ("self", False), ("unnormalised", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multiprocessors, case, mining, dtype):
+    """triton-symmetric (forward_kernels.symmetric_negatives_kernel: each tile of S once, summed for its
+    rows and its columns): each anchor's loss ("none", a random grad_output) and the gradient, in
+    float32 against the float64 reference. float16 against the shipped pass on the same rows: at these
+    batches some negatives lie within float16's rounding of their mining threshold, where both passes
+    differ from the reference alike. Under the interpreter the row blocks are 64 rows: 1, 2 and 7
+    of them (odd: every block goes half-way round), and 10 (even: the pairs at distance 5 once, from
+    the lower block; on 8 multiprocessors, parts of two distances, one of them empty for the upper
+    blocks). shared_ids: identities shared by rows of different labels, which the pass must then
+    compare; unnormalised: rows compared as they are, whose sums need their shifts. A tile left out
+    or counted twice changes its anchors' negative sums. On a GPU the variant takes the 16-bit
+    tables' square tiles (B = 640: 5 blocks of 128). (The interpreter's numpy warns of the overflow
+    of unnormalised terms outside the mined sets, which their selection then drops.)"""
+    import triton_internals
+    from conftest import assert_close, build_case, check_against_reference, loss_and_grads, to
+    from ms_loss_cuda.triton_kernels import launcher
+    from targets import DEVICE, TRITON_MISSING
+
+    if TRITON_MISSING["condition"]:
+        pytest.skip(TRITON_MISSING["reason"])
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("a GPU's float32 forward tiles are not square: the variant leaves them as they are")
+    if DEVICE != "cuda":
+        monkeypatch.setattr(launcher, "device_multiprocessors", lambda device, interpret=False: multiprocessors)
+    kwargs = build_case("self", batch, 24, dtype, seed=1)
+    if case == "shared_ids":
+        kwargs["ids"] = torch.arange(batch) // 2  # (neighbours share one identity, mostly across labels)
+    options = dict(reduction="none", mining=mining, normalize=case != "unnormalised")
+    if case == "unnormalised":  # rows of norm about 1.7: exponents up to about 125, past float32's range unshifted
+        kwargs["embeddings"] = kwargs["embeddings"] / 4
+
+    def grad_output(loss):
+        return torch.randn(loss.shape, generator=torch.Generator().manual_seed(3)).to(loss.device, loss.dtype)
+
+    if dtype == torch.float16:
+        shipped = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, **options)
+    launches, launched = [], launcher.Launch.__call__
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (
+        launches.append((launch.kernel.fn.__name__, launch.grid, dict(launch.constexprs))), launched(launch, *args))[1])
+    with triton_internals.tiles(triton_internals.symmetric_tiles()):
+        if dtype == torch.float32:
+            check_against_reference("triton", kwargs, dtype, device=DEVICE, **options)
+        else:
+            loss, grads = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, **options)
+            assert_close(loss, shipped[0], 1e-3)  # (float16 losses: a 32-bit difference may round one ulp apart)
+            assert_close(grads[0], shipped[1][0], 1e-3)
+    (grid, constexprs), = [(grid, c) for name, grid, c in launches if name.endswith("negatives_kernel")]
+    assert [name for name, *_ in launches].count("symmetric_negatives_kernel") == 1, launches
+    assert constexprs["CHECK_IDS"] == (case == "shared_ids")
+    if DEVICE != "cuda" and batch == 640:
+        assert grid == (10, 3)
+
+
+def test_symmetric_negatives_keep_the_shipped_pass_past_their_memory(monkeypatch):
+    """A batch whose symmetric partials would pass SYMMETRIC_PARTIALS_BYTES takes negatives_kernel."""
+    import triton_internals
+    from conftest import build_case, check_against_reference
+    from ms_loss_cuda.triton_kernels import forward, launcher
+    from targets import DEVICE, TRITON_MISSING
+
+    if TRITON_MISSING["condition"]:
+        pytest.skip(TRITON_MISSING["reason"])
+    monkeypatch.setattr(forward, "SYMMETRIC_PARTIALS_BYTES", 3 * 4 * 300 * 3)  # (300 rows: 4 slots needed)
+    names, launched = [], launcher.Launch.__call__
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (names.append(launch.kernel.fn.__name__),
+                                                                            launched(launch, *args))[1])
+    with triton_internals.tiles(triton_internals.symmetric_tiles()):
+        check_against_reference("triton", build_case("self", 300, 24, torch.float16), torch.float16, "none",
+                                device=DEVICE)
+    assert "negatives_kernel" in names and "symmetric_negatives_kernel" not in names
 
 
 @pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk192", "192"),

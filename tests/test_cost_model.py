@@ -3,6 +3,9 @@ many GEMM-equivalents (one = 2 * B * R * D flops) a forward + backward does, and
 each launch that walks every column has on a 132-multiprocessor H100, for the fused backward and
 the chunked one. No GPU needed: the plans are made for CPU tensors with the GPU tile table
 (interpret=False)."""
+import os
+import sys
+
 import pytest
 import torch
 from conftest import label_order_by_torch
@@ -11,6 +14,8 @@ triton_kernels = pytest.importorskip("ms_loss_cuda.triton_kernels")
 from ms_loss_cuda.triton_kernels import backward, launcher  # noqa: E402
 from ms_loss_cuda.triton_kernels.backward import LEAST_PIECE_ROWS, Product, piece_rows  # noqa: E402
 from ms_loss_cuda.triton_kernels.launcher import Launch, cdiv  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 H100 = 132
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float32-tf32": torch.float32}
@@ -27,9 +32,13 @@ def plan_cost(launches, num_x, num_ref, dim):
         if isinstance(launch, Product):
             flops += 2 * launch.w.shape[0] * launch.w.shape[1] * launch.b.shape[1]
             continue
-        if not isinstance(launch, Launch) or "BLOCK_N" not in launch.constexprs:
+        if not isinstance(launch, Launch):
             continue
         c, args, name = launch.constexprs, launch.args, launch.kernel.fn.__name__
+        if name == "symmetric_negatives_kernel":  # square tiles; program (I, p) takes part p of distances 1 .. last
+            c = dict(c, BLOCK_M=c["BLOCK"], BLOCK_N=c["BLOCK"])
+        if "BLOCK_N" not in c:
+            continue
         grid = launch.grid + (1,) * (3 - len(launch.grid))
         if "A_ANCHORS" in c:
             name += "[dx]" if c["A_ANCHORS"] else "[dref]"
@@ -48,6 +57,14 @@ def plan_cost(launches, num_x, num_ref, dim):
             continue
         if "w_ptr" in args:  # weights_kernel: one tile a program
             flops += s_tile * grid[0] * grid[1]
+            continue
+        if "per_part" in args:
+            blocks, per_part = grid[0], args["per_part"]
+            half = blocks // 2
+            for block in range(blocks):
+                last = half if blocks % 2 or block < half else half - 1
+                flops += s_tile * sum(max(min(1 + (p + 1) * per_part, last + 1) - (1 + p * per_part), 0)
+                                      for p in range(grid[1]))
             continue
         columns, per_split = args.get("num_ref", args.get("num_b")), args["cols_per_split"]
         tiles = sum(cdiv(min(per_split, columns - start), c["BLOCK_N"]) for start in range(0, columns, per_split))
@@ -158,6 +175,26 @@ def test_launches_fill_an_h100(batch, ref_rows):
     walking = {k: v for k, v in cost["programs"].items() if k.startswith(("negatives", "grad"))}
     assert len(walking) == (2 if ref_rows is None else 3)
     assert all(programs >= 2 * H100 for programs in walking.values()), cost["programs"]
+
+
+@pytest.mark.parametrize("batch", [1024, 4096, 16384, 65536])
+def test_the_symmetric_negatives_pass_takes_half_the_tiles(monkeypatch, batch):
+    """The benchmark's triton-symmetric: its negatives pass computes each pair of row blocks once, B/128
+    (B/128 - 1) / 2 tiles where the shipped pass computes all (B/128)^2, with two programs a
+    multiprocessor where the distances allow (B = 1024: 8 blocks of 4 distances, 32 programs of one
+    tile); its partials take 3 floats an anchor per part and per distance."""
+    from triton_internals import symmetric_tiles
+
+    monkeypatch.setattr(launcher, "tile_config", symmetric_tiles(launcher.tile_config))
+    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.arange(batch) // 4
+    _, _, forward = _forward_plan(x, labels, None, None, (2.0, 50.0, 0.5, 0.1, True, False))
+    negatives, = (launch for launch in forward if launch.kernel.fn.__name__.endswith("negatives_kernel"))
+    assert negatives.kernel.fn.__name__ == "symmetric_negatives_kernel"
+    blocks = batch // 128
+    assert plan_cost([negatives], batch, batch, 512)["gemms"] == pytest.approx((blocks - 1) / (2 * blocks))
+    programs = negatives.grid[0] * negatives.grid[1]
+    assert programs >= min(2 * H100, blocks * (blocks // 2))
+    assert negatives.args["part_ptr"].shape == (3, negatives.grid[1] + blocks // 2, batch)
 
 
 MIB = 1 << 20

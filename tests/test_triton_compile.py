@@ -60,11 +60,13 @@ def test_every_kernel_compiles_for_both_targets(records):
     # float32 unit rows under "highest": the chunked backward's weights and rows as float16 pieces
     split = {"split_rows_kernel", "split_rows_kernel[undivided]"}
     split |= {name + "[split]" for name in kernels if name.startswith("weights_kernel")}
+    # float16: the benchmark's triton-symmetric, its negatives pass on half the tiles
+    symmetric = {f"symmetric_negatives_kernel[check_ids={ids}]" for ids in (False, True)}
     for dtype in ("float16", "bfloat16", "float32", "float32-tf32"):
         for cc in (80, 90):
             assert {r["kernel"] for r in records if r["dtype"] == dtype and r["cc"] == cc} == \
-                kernels | (set() if dtype.endswith("-tf32") else rows) | (bank if dtype == "float16" else set()) \
-                | (split if dtype == "float32" else set())
+                kernels | (set() if dtype.endswith("-tf32") else rows) | (split if dtype == "float32" else set()) \
+                | (bank | symmetric if dtype == "float16" else set())
 
 
 def test_every_product_uses_tensor_cores(records):

@@ -1,8 +1,8 @@
 """Compiles every Triton kernel launch the dispatcher makes, ahead of time for sm_80 and sm_90
 (no GPU or driver needed), and the float16 and float32 launches at D = 512 for Blackwell, sm_100
-(B200) and sm_120 (RTX 50), and prints one JSON record per (launch, target): tensor-core
-instructions in the PTX, what `ptxas -v` reports and the shared memory a program needs. Run by
-tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
+(B200) and sm_120 (RTX 50), besides the float16 negatives pass of the benchmark's triton-symmetric,
+and prints one JSON record per (launch, target): tensor-core instructions in the PTX, what `ptxas -v`
+reports and the shared memory a program needs. Run by tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
 interpreted tests) replaces the jit functions this needs.  Usage: python tests/triton_aot.py
 """
 import functools
@@ -22,9 +22,12 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from ms_loss_cuda.triton_kernels import backward_plan, forward_plan
+from ms_loss_cuda.triton_kernels import backward_plan, forward_plan, launcher
 from ms_loss_cuda.triton_kernels.launcher import Launch
 from ms_loss_cuda.triton_kernels.row_kernels import row_norms_plan, stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from triton_internals import symmetric_tiles  # noqa: E402
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
@@ -111,6 +114,13 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "[split]" if c.get("SPLIT") else ""
             name += "[undivided]" if c.get("DIVIDE") is False else ""
             found.setdefault(name, launch)  # (the launches the cases share are compiled once)
+    if dtype == torch.float16 and dim == DIMS[-1]:  # the benchmark's triton-symmetric: its negatives pass
+        for i in (None, torch.arange(ROWS) % 97):
+            with mock.patch.object(launcher, "tile_config", symmetric_tiles(launcher.tile_config)):
+                *_, forward = forward_plan(x, labels, i, None, None, None, *hyper, interpret=False,
+                                           capability=divmod(cc, 10))
+            launch, = (launch for launch in forward if launch.kernel.fn.__name__ == "symmetric_negatives_kernel")
+            found[f"symmetric_negatives_kernel[check_ids={i is not None}]"] = launch
     return found
 
 

@@ -9,7 +9,7 @@ label order, which the backward reads instead of sorting again.
 import torch
 
 from . import launcher
-from .forward_kernels import finish_kernel, minpos_kernel, negatives_kernel
+from .forward_kernels import finish_kernel, minpos_kernel, negatives_kernel, symmetric_negatives_kernel
 from .launcher import INTERPRETED, Launch, cdiv
 from .operands import (SAVED_ROWS, check_beta, check_dtypes, check_ref_norms, column_splits, label_order,
                        plan_operands, positive_ranges, shared_identities, sortable)
@@ -32,9 +32,9 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     stats = torch.empty(4 + SAVED_ROWS * (ref is None), num_x, dtype=torch.float32, device=x.device)
     capability = capability or launcher.device_capability(x.device)
     config, warps, stages = launcher.split_config(launcher.tile_config("forward", a.dtype, dim, interpret, capability))
-    # (NEGATIVES_TILES: the negatives kernel's own BLOCK_N, warps, stages or RESIDENT_D, never its BLOCK_M; the
-    # shipped table has none)
-    negatives_tiles = config.pop("NEGATIVES_TILES", {})
+    # (NEGATIVES_TILES: the negatives pass's own BLOCK_N, warps, stages or RESIDENT_D, never its BLOCK_M, or
+    # SYMMETRIC: the self case's symmetric_negatives_kernel, on square tiles; the shipped table has none)
+    negatives_tiles = dict(config.pop("NEGATIVES_TILES", {}))
     assert "BLOCK_M" not in negatives_tiles, "the negatives kernel's row blocks are the forward's (their ranges)"
     row_programs = cdiv(num_x, config["BLOCK_M"])
     launches, labels_given = [], a_labels
@@ -46,8 +46,14 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     else:
         row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels,
                                                                                   config["BLOCK_M"])
-    splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"],
-                                           multiprocessors or launcher.device_multiprocessors(x.device, interpret))
+    multiprocessors = multiprocessors or launcher.device_multiprocessors(x.device, interpret)
+    parts, per_part, slots = symmetric_parts(row_programs, multiprocessors)
+    symmetric = negatives_tiles.pop("SYMMETRIC", False) and ref is None and \
+        3 * slots * num_x * 4 <= SYMMETRIC_PARTIALS_BYTES
+    if symmetric:
+        splits = slots
+    else:
+        splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"], multiprocessors)
     minpos = torch.empty(2, num_x, dtype=torch.float32, device=x.device)  # (and the positive ranges' maxneg)
     partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
     tensors = dict(x_ptr=a, ref_ptr=b, labels_ptr=a_labels, ids_ptr=a_ids, ref_labels_ptr=b_labels,
@@ -71,14 +77,28 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     # The positive ranges take at most 64 columns a tile: about 130 columns in a P x M batch (two tiles
     # of 128 would be half empty), and finish_kernel's two sums spill on 128 x 128 tiles
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
+    if symmetric:
+        assert negatives_config["BLOCK_N"] == config["BLOCK_M"] and not negatives_config["RESIDENT_D"], \
+            "the symmetric pass takes square tiles of the row blocks"
+        negatives = Launch(symmetric_negatives_kernel, (row_programs, parts),
+                           dict(ordered_ptr=in_order.rows, order_ptr=row_order,
+                                ordered_ids_ptr=in_order.ids if check_ids else row_order, range_ptr=ranges,
+                                shared_ids_ptr=columns["shared_ids_ptr"], minpos_ptr=minpos, part_ptr=partials,
+                                num_x=num_x, dim=dim, parts=parts, per_part=per_part, beta=beta, base=base,
+                                epsilon=epsilon),
+                           dict(MINING=mining, CHECK_IDS=check_ids, BLOCK=config["BLOCK_M"],
+                                BLOCK_K=negatives_config["BLOCK_K"], UPCAST=config["UPCAST"],
+                                PRECISION=config["PRECISION"]), negatives_warps, negatives_stages)
+    else:
+        negatives = Launch(negatives_kernel, (row_programs, splits),
+                           dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
+                                cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon),
+                           dict(negatives_config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids),
+                           negatives_warps, negatives_stages)
     launches += [
         Launch(minpos_kernel, (row_programs,), dict(tensors, **positives), dict(in_range, SEGMENTED=segmented),
                warps, stages),
-        Launch(negatives_kernel, (row_programs, splits),
-               dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,
-                    cols_per_split=cols_per_split, beta=beta, base=base, epsilon=epsilon),
-               dict(negatives_config, MINING=mining, SKIP_RANGE=skip_range, CHECK_IDS=check_ids), negatives_warps,
-               negatives_stages),
+        negatives,
         Launch(finish_kernel, (row_programs,),
                dict(tensors, **positives, part_ptr=partials, stats_ptr=stats, loss_ptr=loss, splits=splits,
                     alpha=alpha, beta=beta, base=base, epsilon=epsilon),
@@ -86,6 +106,23 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                     SKIP_RANGE=skip_range), warps, stages),
     ]
     return loss, stats, launches
+
+
+# The symmetric pass's partials (3 floats an anchor for each of its column tiles: B^2 / (2 BLOCK_M) x 12
+# bytes) are at most this large; a larger batch takes negatives_kernel, whose partials are a few per anchor.
+SYMMETRIC_PARTIALS_BYTES = 256 << 20
+
+
+def symmetric_parts(row_blocks, multiprocessors):
+    """(parts, distances per part, partial slots) of symmetric_negatives_kernel: each row block's
+    distances 1 .. row_blocks // 2 are cut into parts of equal length, enough for two programs a
+    multiprocessor where there are enough distances; the partials hold a slot per part (the rows'
+    sums) and one per distance (the columns')."""
+    half = row_blocks // 2
+    wanted = min(cdiv(2 * multiprocessors, max(row_blocks, 1)), max(half, 1))
+    parts = max(cdiv(half, max(half // wanted, 1)), 1)  # (at least `wanted`)
+    per_part = max(cdiv(half, parts), 1)
+    return parts, per_part, parts + half
 
 
 def forward_plan_keeping_rows(*args, **kwargs):

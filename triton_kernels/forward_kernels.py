@@ -10,7 +10,9 @@ maxneg, LP, LN) that the backward reuses:
   and, since the negatives' mining needs only minpos, the sum of exp over the mined negatives,
   rescaled online whenever a larger exponent appears. In the self case it reads the anchors in label
   order and skips the block's positive range, so every column it meets is a negative of the whole
-  block and its tiles carry no labels;
+  block and its tiles carry no labels. `symmetric_negatives_kernel` does the self case's pass on
+  half the tiles, each summed for its rows and its columns (a tile-table option that no shipped
+  entry takes yet: the benchmark's triton-symmetric measures it);
 - `finish_kernel`: the column splits combined in a fixed order, then S over the positive range again
   for the sum over the mined positives (their mining needs the final maxneg) and, in the self case,
   the range's own negatives -> LP, LN and the loss.
@@ -44,6 +46,30 @@ def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -float("inf")), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
     tl.store(minpos_ptr + num_x + rows, maxneg, mask=row_ok)
+
+
+@triton.jit
+def _negative_sums(s, minpos, maxneg, shift, total, slope, offset, epsilon, MINING: tl.constexpr):
+    """One tile's negatives added to the anchors' hardest negative and shifted sum (online: the sum is
+    rescaled when the shift grows) for the anchors on the tile's rows. `s`: S, -inf outside the
+    negatives; `minpos`, `maxneg`, `shift`, `total`: per anchor; slope, offset: beta log2(e) and
+    beta base log2(e). Returns (maxneg, shift, total)."""
+    tile_max = tl.max(s, axis=1)
+    maxneg = tl.maximum(maxneg, tile_max)
+    # the tile's largest mined S without a second reduction over the tile: mining keeps the negatives
+    # above a threshold of the anchor, so it is the tile's hardest negative where that one is mined, else
+    # there is none. The pairs' own test comes after the reduction, where its terms need it (tested
+    # before, its predicates were packed into integers to be held across the reduction).
+    if MINING:
+        tile_max = tl.where(tile_max + epsilon > minpos, tile_max, -float("inf"))
+    # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
+    # (ex2.approx.ftz) a pair, where tl.exp takes a multiply and a fix-up for subnormals besides; terms
+    # below 2^-126 of the shift flush to 0. (beta > 0: S = -inf outside the negatives adds nothing.)
+    new_shift = tl.maximum(shift, tile_max * slope - offset)
+    terms = tl.exp2(s * slope - (new_shift + offset)[:, None])
+    if MINING:
+        terms = tl.where(s + epsilon > minpos[:, None], terms, 0.0)
+    return maxneg, new_shift, total * tl.exp2(shift - new_shift) + tl.sum(terms, axis=1)
 
 
 @triton.jit
@@ -103,27 +129,96 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
                                        label_i, id_i, cols, col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                                        PRECISION, a_rows, RESIDENT_D)
         s = tl.where(negative, s, -float("inf"))
-        tile_max = tl.max(s, axis=1)
-        maxneg = tl.maximum(maxneg, tile_max)
-        # the tile's largest mined S without a second reduction over the tile: mining keeps the negatives
-        # above a threshold of the row, so it is the tile's hardest negative where that one is mined, else
-        # there is none. The pairs' own test comes after the reduction, where its terms need it (tested
-        # before, its predicates were packed into integers to be held across the reduction).
-        if MINING:
-            tile_max = tl.where(tile_max + epsilon > minpos, tile_max, -float("inf"))
-        # base-2 exponents beta (S - base) log2(e), the shift folded in: one FMA and one exp2
-        # (ex2.approx.ftz) a pair, where tl.exp takes a multiply and a fix-up for subnormals besides; terms
-        # below 2^-126 of the shift flush to 0. (beta > 0: S = -inf outside the negatives adds nothing.)
-        new_shift = tl.maximum(shift, tile_max * slope - offset)
-        terms = tl.exp2(s * slope - (new_shift + offset)[:, None])
-        if MINING:
-            terms = tl.where(s + epsilon > minpos[:, None], terms, 0.0)
-        total = total * tl.exp2(shift - new_shift) + tl.sum(terms, axis=1)
-        shift = new_shift
+        maxneg, shift, total = _negative_sums(s, minpos, maxneg, shift, total, slope, offset, epsilon, MINING)
     split = tl.program_id(1)
     tl.store(part_ptr + split * num_x + rows, maxneg, mask=row_ok)
     tl.store(part_ptr + (splits + split) * num_x + rows, shift * 0.6931471805599453, mask=row_ok)  # (ln(2): back to ln)
     tl.store(part_ptr + (2 * splits + split) * num_x + rows, total, mask=row_ok)
+
+
+@triton.jit
+def symmetric_negatives_kernel(ordered_ptr, order_ptr, ordered_ids_ptr, range_ptr, shared_ids_ptr, minpos_ptr, part_ptr,
+                               num_x, dim, parts, per_part, beta, base, epsilon, MINING: tl.constexpr,
+                               CHECK_IDS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """negatives_kernel's pass for the self case, on half the tiles: S is symmetric, so one tile of
+    blocks I and J (of the label order, `ordered_ptr`) serves I's anchors through its rows and J's
+    through its columns. Of the blocks' NB (NB - 1) / 2 pairs, program (I, p) takes those at distances
+    d = I + 1 .. I + NB / 2 (mod NB; the pair at distance NB / 2 of an even NB once, from the lower
+    block), part p of them. Its rows' maxneg and online sum stay in registers across its tiles and go
+    to partial slot p; each tile's columns get one partial of their own, from that tile alone (its
+    shift the tile's largest mined exponent of the column), in slot parts + d - 1. Partials [3, parts
+    + NB // 2, B], as negatives_kernel's splits; finish_kernel combines them in slot order. A slot no
+    tile reaches (an even NB's distance NB / 2 for the lower blocks) is written empty by program
+    (I, 0). Each end skips its own block's positive range (the range's negatives are minpos_kernel's
+    and finish_kernel's): the rows' range in the columns, the columns' range in the rows; the
+    diagonal tile lies inside both ranges and is never computed."""
+    block, part = tl.program_id(0), tl.program_id(1)
+    blocks = (num_x + BLOCK - 1) // BLOCK
+    half = blocks // 2
+    last = tl.where((blocks % 2 == 1) | (block < half), half, half - 1)  # this block's farthest distance
+    slots_i = block * BLOCK + tl.arange(0, BLOCK)
+    row_ok = slots_i < num_x
+    rows = tl.load(order_ptr + slots_i, mask=row_ok, other=0)  # (the anchors' own indices: stats, partials)
+    minpos_i = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
+    skip_begin_i = tl.load(range_ptr + 2 * block)
+    skip_end_i = tl.load(range_ptr + 2 * block + 1)
+    maxneg = tl.full((BLOCK,), -float("inf"), tl.float32)
+    shift = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    slope, offset = beta * 1.4426950408889634, beta * base * 1.4426950408889634  # (log2(e))
+    if CHECK_IDS:
+        ids_shared = tl.load(shared_ids_ptr) != 0
+        id_i = tl.load(ordered_ids_ptr + slots_i, mask=row_ok, other=-1)
+    first = 1 + part * per_part
+    for d in range(first, tl.minimum(first + per_part, last + 1)):
+        other = block + d
+        other = tl.where(other >= blocks, other - blocks, other)
+        start = other * BLOCK
+        slots_j = start + tl.arange(0, BLOCK)
+        col_ok = slots_j < num_x
+        s = similarity_tile(ordered_ptr, ordered_ptr, slots_i, row_ok, slots_j, col_ok, dim, BLOCK, BLOCK, BLOCK_K,
+                            UPCAST, PRECISION)
+        if CHECK_IDS:
+            if ids_shared:
+                id_j = tl.load(ordered_ids_ptr + slots_j, mask=col_ok, other=-1)
+                s = tl.where(id_i[:, None] != id_j[None, :], s, -float("inf"))
+        # the rows' end: as negatives_kernel, only a tile past the last column or across the rows' range masks
+        s_rows = s
+        if (start + BLOCK > num_x) | ((start + BLOCK > skip_begin_i) & (start < skip_end_i)):
+            s_rows = tl.where((col_ok & ((slots_j < skip_begin_i) | (slots_j >= skip_end_i)))[None, :], s,
+                              -float("inf"))
+        maxneg, shift, total = _negative_sums(s_rows, minpos_i, maxneg, shift, total, slope, offset, epsilon, MINING)
+        # the columns' end: this tile alone, shifted by its own largest mined exponent of each column (or 0), as
+        # _negative_sums along the other axis
+        skip_begin_j = tl.load(range_ptr + 2 * other)
+        skip_end_j = tl.load(range_ptr + 2 * other + 1)
+        s_cols = s
+        if (block * BLOCK + BLOCK > num_x) | ((block * BLOCK + BLOCK > skip_begin_j) & (block * BLOCK < skip_end_j)):
+            s_cols = tl.where((row_ok & ((slots_i < skip_begin_j) | (slots_i >= skip_end_j)))[:, None], s,
+                              -float("inf"))
+        cols = tl.load(order_ptr + slots_j, mask=col_ok, other=0)
+        minpos_j = tl.load(minpos_ptr + cols, mask=col_ok, other=float("inf"))
+        col_max = tl.max(s_cols, axis=0)
+        slot = parts + d - 1  # (the hardest negatives stored at once: held to the end, they spill on sm_100)
+        tl.store(part_ptr + slot * num_x + cols, col_max, mask=col_ok)
+        mined_max = tl.where(col_max + epsilon > minpos_j, col_max, -float("inf")) if MINING else col_max
+        col_shift = tl.maximum(mined_max * slope - offset, 0.0)
+        col_terms = tl.exp2(s_cols * slope - (col_shift + offset)[None, :])
+        if MINING:
+            col_terms = tl.where(s_cols + epsilon > minpos_j[None, :], col_terms, 0.0)
+        col_total = tl.sum(col_terms, axis=0)
+        tl.store(part_ptr + (parts + half + slot) * num_x + cols, col_shift * 0.6931471805599453, mask=col_ok)
+        tl.store(part_ptr + (2 * (parts + half) + slot) * num_x + cols, col_total, mask=col_ok)
+    slots = parts + half  # (the partials' second dimension)
+    tl.store(part_ptr + part * num_x + rows, maxneg, mask=row_ok)
+    tl.store(part_ptr + (slots + part) * num_x + rows, shift * 0.6931471805599453, mask=row_ok)  # (ln(2))
+    tl.store(part_ptr + (2 * slots + part) * num_x + rows, total, mask=row_ok)
+    if (part == 0) & (blocks % 2 == 0) & (block < half):  # the slot of distance NB / 2, which no tile reaches
+        empty = slots - 1
+        tl.store(part_ptr + empty * num_x + rows, tl.full((BLOCK,), -float("inf"), tl.float32), mask=row_ok)
+        tl.store(part_ptr + (slots + empty) * num_x + rows, tl.zeros((BLOCK,), tl.float32), mask=row_ok)
+        tl.store(part_ptr + (2 * slots + empty) * num_x + rows, tl.zeros((BLOCK,), tl.float32), mask=row_ok)
 
 
 @triton.jit
