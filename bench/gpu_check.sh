@@ -16,7 +16,7 @@
 #       negatives pass on half the tiles; not the banks), compiled (torch.compile of the dense loss), pml;
 #     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-unsplit (the backward's
 #       products in float32, without their float16 pieces) and triton-fp16x3 (the S tiles as three
-#       float16 products; bench/triton_internals.py), compiled, pml;
+#       float16 products; bench/triton_internals.py), triton-symmetric, compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
 #     bench-chunks: the chunked backward's budget, float16 B = 8192, 16384, 65536 and the 262144-row bank for
@@ -89,7 +89,7 @@ bench_step() {  # one of the bench step's parts (see the header)
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
-      --providers matmul4 triton triton-unsplit triton-fp16x3 compiled pml --repeats 5 \
+      --providers matmul4 triton triton-unsplit triton-fp16x3 triton-symmetric compiled pml --repeats 5 \
       --out "$DIR/bench-float32" ;;
   bench-xbm)
     for dtype in float16 float32; do

@@ -106,15 +106,17 @@ def resident_tiles(table=None):
 
 def symmetric_tiles(table=None):
     """`table` (the shipped tile table unless given) with the self case's negatives pass on half the tiles
-    (triton-symmetric: forward_kernels.symmetric_negatives_kernel), where the forward's tiles are square
-    (16-bit rows on a GPU, every dtype under the interpreter)."""
+    (triton-symmetric: forward_kernels.symmetric_negatives_kernel, on square tiles of the forward's row
+    blocks): where the forward's tiles are square (16-bit rows on a GPU, every dtype under the
+    interpreter), and for float32 on sm_90 and sm_100, whose 128 x 128 tiles of TF32 products compile
+    without spills (sm_80's and sm_120's, on mma.sync, spill)."""
     from ms_loss_cuda.triton_kernels import launcher
 
     table = table or launcher.tile_config
 
-    def config(kind, *args, **kwargs):
-        entry = table(kind, *args, **kwargs)
-        if kind != "forward" or entry["BLOCK_M"] != entry["BLOCK_N"]:
+    def config(kind, dtype, dim, interpret=launcher.INTERPRETED, capability=(9, 0)):
+        entry = table(kind, dtype, dim, interpret, capability)
+        if kind != "forward" or (entry["BLOCK_M"] != entry["BLOCK_N"] and not (9, 0) <= capability < (12, 0)):
             return entry
         return dict(entry, NEGATIVES_TILES=dict(entry.get("NEGATIVES_TILES", {}), SYMMETRIC=True))
 

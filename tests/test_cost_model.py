@@ -177,16 +177,18 @@ def test_launches_fill_an_h100(batch, ref_rows):
     assert all(programs >= 2 * H100 for programs in walking.values()), cost["programs"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("batch", [1024, 4096, 16384, 65536])
-def test_the_symmetric_negatives_pass_takes_half_the_tiles(monkeypatch, batch):
+def test_the_symmetric_negatives_pass_takes_half_the_tiles(monkeypatch, batch, dtype):
     """The benchmark's triton-symmetric: its negatives pass computes each pair of row blocks once, B/128
     (B/128 - 1) / 2 tiles where the shipped pass computes all (B/128)^2, with two programs a
     multiprocessor where the distances allow (B = 1024: 8 blocks of 4 distances, 32 programs of one
-    tile); its partials take 3 floats an anchor per part and per distance."""
+    tile); its partials take 3 floats an anchor per part and per distance. float32 (an H100's table:
+    128 x 64 tiles for the shipped pass) takes square tiles of its row blocks too."""
     from triton_internals import symmetric_tiles
 
     monkeypatch.setattr(launcher, "tile_config", symmetric_tiles(launcher.tile_config))
-    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.arange(batch) // 4
+    x, labels = torch.zeros(batch, 512, dtype=dtype), torch.arange(batch) // 4
     _, _, forward = _forward_plan(x, labels, None, None, (2.0, 50.0, 0.5, 0.1, True, False))
     negatives, = (launch for launch in forward if launch.kernel.fn.__name__.endswith("negatives_kernel"))
     assert negatives.kernel.fn.__name__ == "symmetric_negatives_kernel"
@@ -254,7 +256,7 @@ def test_a_bank_compared_through_its_norms_makes_one_chunk_of_unit_rows_at_a_tim
     still S once and one product (3 GEMM-equivalents), and every weights launch fills an H100 twice
     over."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", str(mib))
-    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.arange(batch) // 4
+    x, labels = torch.zeros(batch, 512, dtype=dtype), torch.arange(batch) // 4
     ref, ref_labels = torch.zeros(ref_rows, 512, dtype=torch.float16), torch.arange(ref_rows) // 4
     hyper, norms = (2.0, 50.0, 0.5, 0.1, True, False), torch.ones(2, ref_rows)
     _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper, interpret=False,

@@ -1,6 +1,6 @@
 """Compiles every Triton kernel launch the dispatcher makes, ahead of time for sm_80 and sm_90
 (no GPU or driver needed), and the float16 and float32 launches at D = 512 for Blackwell, sm_100
-(B200) and sm_120 (RTX 50), besides the float16 negatives pass of the benchmark's triton-symmetric,
+(B200) and sm_120 (RTX 50), besides the negatives pass of the benchmark's triton-symmetric (D = 512),
 and prints one JSON record per (launch, target): tensor-core instructions in the PTX, what `ptxas -v`
 reports and the shared memory a program needs. Run by tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
 interpreted tests) replaces the jit functions this needs.  Usage: python tests/triton_aot.py
@@ -114,13 +114,14 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "[split]" if c.get("SPLIT") else ""
             name += "[undivided]" if c.get("DIVIDE") is False else ""
             found.setdefault(name, launch)  # (the launches the cases share are compiled once)
-    if dtype == torch.float16 and dim == DIMS[-1]:  # the benchmark's triton-symmetric: its negatives pass
+    if dtype_name in ("float16", "float32") and dim == DIMS[-1]:  # the benchmark's triton-symmetric's pass
         for i in (None, torch.arange(ROWS) % 97):
             with mock.patch.object(launcher, "tile_config", symmetric_tiles(launcher.tile_config)):
                 *_, forward = forward_plan(x, labels, i, None, None, None, *hyper, interpret=False,
                                            capability=divmod(cc, 10))
-            launch, = (launch for launch in forward if launch.kernel.fn.__name__ == "symmetric_negatives_kernel")
-            found[f"symmetric_negatives_kernel[check_ids={i is not None}]"] = launch
+            for launch in forward:  # (none for float32 on sm_80 and sm_120: symmetric_tiles says why)
+                if launch.kernel.fn.__name__ == "symmetric_negatives_kernel":
+                    found[f"symmetric_negatives_kernel[check_ids={i is not None}]"] = launch
     return found
 
 

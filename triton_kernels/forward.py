@@ -33,7 +33,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     capability = capability or launcher.device_capability(x.device)
     config, warps, stages = launcher.split_config(launcher.tile_config("forward", a.dtype, dim, interpret, capability))
     # (NEGATIVES_TILES: the negatives pass's own BLOCK_N, warps, stages or RESIDENT_D, never its BLOCK_M, or
-    # SYMMETRIC: the self case's symmetric_negatives_kernel, on square tiles; the shipped table has none)
+    # SYMMETRIC: the self case's symmetric_negatives_kernel, on square tiles of the row blocks, whatever BLOCK_N;
+    # the shipped table has none)
     negatives_tiles = dict(config.pop("NEGATIVES_TILES", {}))
     assert "BLOCK_M" not in negatives_tiles, "the negatives kernel's row blocks are the forward's (their ranges)"
     row_programs = cdiv(num_x, config["BLOCK_M"])
@@ -78,8 +79,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     # of 128 would be half empty), and finish_kernel's two sums spill on 128 x 128 tiles
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
     if symmetric:
-        assert negatives_config["BLOCK_N"] == config["BLOCK_M"] and not negatives_config["RESIDENT_D"], \
-            "the symmetric pass takes square tiles of the row blocks"
+        assert not negatives_config["RESIDENT_D"], "the symmetric pass reads its rows tile by tile"
         negatives = Launch(symmetric_negatives_kernel, (row_programs, parts),
                            dict(ordered_ptr=in_order.rows, order_ptr=row_order,
                                 ordered_ids_ptr=in_order.ids if check_ids else row_order, range_ptr=ranges,
