@@ -14,7 +14,7 @@ one tile, walks several.
 triton-symmetric asks how much the forward gains from S's symmetry in the self case. The shipped
 negatives pass computes every tile of S once for its rows; symmetric_negatives_kernel computes half
 of them and sums each for both ends, its rows and its columns, so it does half the products and
-the same exponentials, and writes a partial per column tile (its memory grows with B^2 / 256 floats,
+the same exponentials, and writes a partial per column tile (3 B^2 / 256 floats,
 so batches whose partials pass 256 MiB keep the shipped pass). How much of the pass the products
 take on a GPU is what it measures.
 

@@ -114,25 +114,35 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
     assert any(c["BOTH_LIFTS"] for c in weights) == case.startswith("self")  # (the triangle)
 
 
+# (batch, multiprocessors, case, mining): see the test's docstring
+SYMMETRIC_CASES = [(40, 4, "self", True), (100, 4, "self", True), (430, 4, "self", True), (640, 8, "self", True),
+                   (640, 20, "self", True), (640, 8, "self", False), (430, 4, "shared_ids", True),
+                   (640, 8, "shared_ids", True), (430, 4, "self_ids", True), (430, 4, "large_classes", True),
+                   (640, 8, "large_classes", True), (430, 4, "unnormalised", True), (640, 8, "unnormalised", True),
+                   (430, 4, "base_below_0", False)]
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("batch, multiprocessors", [(40, 4), (100, 4), (448, 4), (640, 8)])
-@pytest.mark.parametrize("case, mining", [("self", True), ("shared_ids", True), ("self", False), ("unnormalised", True)])
+@pytest.mark.parametrize("batch, multiprocessors, case, mining", SYMMETRIC_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multiprocessors, case, mining, dtype):
     """triton-symmetric (forward_kernels.symmetric_negatives_kernel: each tile of S once, summed for its
     rows and its columns): each anchor's loss ("none", a random grad_output) and the gradient, in
     float32 against the float64 reference. float16 against the shipped pass on the same rows: at these
     batches some negatives lie within float16's rounding of their mining threshold, where both passes
-    differ from the reference alike. Under the interpreter the row blocks are 64 rows: 1, 2 and 7
-    of them (odd: every block goes half-way round), and 10 (even: the pairs at distance 5 once, from
-    the lower block; on 8 multiprocessors, parts of two distances, one of them empty for the upper
-    blocks). shared_ids: identities shared by rows of different labels, which the pass must then
-    compare; unnormalised: rows compared as they are, whose sums need their shifts. A tile left out
-    or counted twice changes its anchors' negative sums. On a GPU the row blocks are 128 rows (B =
-    640: 5 of them). (The interpreter's numpy warns of the overflow
-    of unnormalised terms outside the mined sets, which their selection then drops.)"""
+    differ from the reference alike. Under the interpreter the row blocks are 64 rows: 1 and 2 of
+    them, 7 (odd: every block goes half-way round; the last one partial) and 10 (even: the pairs at
+    distance 5 once, from the lower block; on 8 multiprocessors, parts of two distances, one of them
+    empty for the upper blocks; on 20, five parts of one). shared_ids: identities shared by rows of
+    different labels, which the pass must then compare; self_ids: distinct ones, which it need not;
+    large_classes: 3 classes, whose positive ranges span several blocks; unnormalised: rows compared
+    as they are, whose sums need their shifts; base_below_0 (mining off, negatives at S = -1/24): the
+    last block's padding columns, S = 0, would outweigh them if either end took them. A tile left out or counted twice
+    changes its anchors' negative sums. On a GPU the row blocks are 128 rows (B = 640: 5 of them).
+    (The interpreter's numpy warns of the overflow of unnormalised terms outside the mined sets,
+    which their selection then drops.)"""
     import triton_internals
-    from conftest import assert_close, build_case, check_against_reference, loss_and_grads, to
+    from conftest import assert_close, build_case, check_against_reference, loss_and_grads, make_batch, to
     from ms_loss_cuda.triton_kernels import launcher
     from targets import DEVICE, TRITON_MISSING
 
@@ -142,10 +152,20 @@ def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multipr
         pytest.skip("the variant takes float32 on sm_90 and sm_100 only (triton_internals.symmetric_tiles)")
     if DEVICE != "cuda":
         monkeypatch.setattr(launcher, "device_multiprocessors", lambda device, interpret=False: multiprocessors)
-    kwargs = build_case("self", batch, 24, dtype, seed=1)
+    kwargs = build_case("self_ids" if case == "self_ids" else "self", batch, 24, dtype, seed=1)
+    if case == "large_classes":
+        kwargs["embeddings"], kwargs["labels"] = make_batch(batch, 24, 3, dtype=dtype, seed=1, spread=3.0)
     if case == "shared_ids":
         kwargs["ids"] = torch.arange(batch) // 2  # (neighbours share one identity, mostly across labels)
     options = dict(reduction="none", mining=mining, normalize=case != "unnormalised")
+    if case == "base_below_0":  # 25 classes at the corners of a simplex (negatives at S = -1/24), every
+        # negative counted and S = 0 weighing exp(25): a padding column taken for a negative would dominate
+        gen = torch.Generator().manual_seed(1)
+        labels = torch.randint(0, 25, (batch,), generator=gen)
+        centres = torch.eye(25, 24 + 1) - 1 / 25
+        kwargs["embeddings"] = (centres[labels] + 0.02 * torch.randn(batch, 25, generator=gen)).to(dtype)
+        kwargs["labels"] = labels
+        options["base"] = -0.5
     if case == "unnormalised":  # rows of norm about 1.7: exponents up to about 125, past float32's range unshifted
         kwargs["embeddings"] = kwargs["embeddings"] / 4
 
@@ -166,9 +186,9 @@ def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multipr
             assert_close(grads[0], shipped[1][0], 1e-3)
     (grid, constexprs), = [(grid, c) for name, grid, c in launches if name.endswith("negatives_kernel")]
     assert [name for name, *_ in launches].count("symmetric_negatives_kernel") == 1, launches
-    assert constexprs["CHECK_IDS"] == (case == "shared_ids")
+    assert constexprs["CHECK_IDS"] == (case in ("shared_ids", "self_ids"))
     if DEVICE != "cuda" and batch == 640:
-        assert grid == (10, 3)
+        assert grid == ((10, 5) if multiprocessors == 20 else (10, 3))
 
 
 def test_symmetric_negatives_keep_the_shipped_pass_past_their_memory(monkeypatch):

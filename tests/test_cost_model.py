@@ -256,7 +256,7 @@ def test_a_bank_compared_through_its_norms_makes_one_chunk_of_unit_rows_at_a_tim
     still S once and one product (3 GEMM-equivalents), and every weights launch fills an H100 twice
     over."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", str(mib))
-    x, labels = torch.zeros(batch, 512, dtype=dtype), torch.arange(batch) // 4
+    x, labels = torch.zeros(batch, 512, dtype=torch.float16), torch.arange(batch) // 4
     ref, ref_labels = torch.zeros(ref_rows, 512, dtype=torch.float16), torch.arange(ref_rows) // 4
     hyper, norms = (2.0, 50.0, 0.5, 0.1, True, False), torch.ones(2, ref_rows)
     _, stats, forward = triton_kernels.forward_plan(x, labels, None, ref, ref_labels, None, *hyper, interpret=False,

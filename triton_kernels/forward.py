@@ -79,7 +79,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     # of 128 would be half empty), and finish_kernel's two sums spill on 128 x 128 tiles
     in_range = dict(config, BLOCK_N=min(config["BLOCK_N"], 64))
     if symmetric:
-        assert not negatives_config["RESIDENT_D"], "the symmetric pass reads its rows tile by tile"
+        assert not negatives_config["RESIDENT_D"] and "BLOCK_N" not in negatives_tiles, \
+            "the symmetric pass reads its rows tile by tile, on square tiles of its row blocks"
         negatives = Launch(symmetric_negatives_kernel, (row_programs, parts),
                            dict(ordered_ptr=in_order.rows, order_ptr=row_order,
                                 ordered_ids_ptr=in_order.ids if check_ids else row_order, range_ptr=ranges,
