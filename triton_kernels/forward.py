@@ -48,12 +48,11 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
         row_order, col_order, segment_end, column_shift, ranges = positive_ranges(a_labels, b_labels,
                                                                                   config["BLOCK_M"])
     multiprocessors = multiprocessors or launcher.device_multiprocessors(x.device, interpret)
-    parts, per_part, slots = symmetric_parts(row_programs, multiprocessors)
-    symmetric = negatives_tiles.pop("SYMMETRIC", False) and ref is None and \
-        3 * slots * num_x * 4 <= SYMMETRIC_PARTIALS_BYTES
-    if symmetric:
-        splits = slots
-    else:
+    symmetric = negatives_tiles.pop("SYMMETRIC", False) and ref is None
+    if symmetric:  # (within SYMMETRIC_PARTIALS_BYTES)
+        parts, per_part, splits = symmetric_parts(row_programs, multiprocessors)
+        symmetric = 3 * splits * num_x * 4 <= SYMMETRIC_PARTIALS_BYTES
+    if not symmetric:
         splits, cols_per_split = column_splits(row_programs, b.shape[0], config["BLOCK_N"], multiprocessors)
     minpos = torch.empty(2, num_x, dtype=torch.float32, device=x.device)  # (and the positive ranges' maxneg)
     partials = torch.empty(3, splits, num_x, dtype=torch.float32, device=x.device)
