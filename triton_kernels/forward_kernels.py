@@ -189,8 +189,9 @@ def symmetric_negatives_kernel(ordered_ptr, order_ptr, ordered_ids_ptr, range_pt
             s_rows = tl.where((col_ok & ((slots_j < skip_begin_i) | (slots_j >= skip_end_i)))[None, :], s,
                               -float("inf"))
         maxneg, shift, total = _negative_sums(s_rows, minpos_i, maxneg, shift, total, slope, offset, epsilon, MINING)
-        # the columns' end: this tile alone, shifted by its own largest mined exponent of each column (or 0), as
-        # _negative_sums along the other axis
+        # the columns' end: this tile alone, shifted by its own largest mined exponent of each column (or 0).
+        # _negative_sums' steps along the other axis, written out so that the hardest negatives are stored
+        # as soon as they are known
         skip_begin_j = tl.load(range_ptr + 2 * other)
         skip_end_j = tl.load(range_ptr + 2 * other + 1)
         s_cols = s
