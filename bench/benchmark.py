@@ -38,7 +38,7 @@ import tempfile
 import time
 
 # (bench/, this script's folder; the other bench scripts take make_inputs, step_function and HARDNESS from here)
-from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PROVIDERS, SYMMETRIC, TUNED, describe,
+from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PROVIDERS, SELF_CASE, TUNED, describe,
                        make_inputs, step_function)
 
 
@@ -449,7 +449,7 @@ def main():
                    "dtype": args.dtype, "hardness": "mining off" if args.no_mining else args.hardness,
                    "mined": mined}
             skip = predicted_skip(last.get((provider, ref_rows is None)), row, args)
-            if provider in SYMMETRIC and ref_rows is not None:
+            if provider in SELF_CASE and ref_rows is not None:
                 skip = "skipped (the self case's variant: a bank runs as triton)"
             print(f"[{shape_name(batch, ref_rows):>14}] {provider:<14} ", end="", flush=True)
             if skip:

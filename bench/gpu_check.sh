@@ -13,10 +13,11 @@
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
 #       for matmul4 (the GEMM floor), triton, triton-direct (without its CUDA-graph replay), triton-graph,
 #       triton-resident (the forward's negatives kernel on resident rows), triton-symmetric (the self case's
-#       negatives pass on half the tiles; not the banks), compiled (torch.compile of the dense loss), pml;
+#       negatives pass on half the tiles; not the banks), triton-unmirrored (the self case's chunked backward
+#       on every tile of each chunk's square; not the banks), compiled (torch.compile of the dense loss), pml;
 #     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-unsplit (the backward's
 #       products in float32, without their float16 pieces) and triton-fp16x3 (the S tiles as three
-#       float16 products; bench/triton_internals.py), triton-symmetric, compiled, pml;
+#       float16 products; bench/triton_internals.py), triton-symmetric, triton-unmirrored, compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
 #     bench-chunks: the chunked backward's budget, float16 B = 8192, 16384, 65536 and the 262144-row bank for
@@ -25,7 +26,8 @@
 #   host: bench/host_time.py (the host's time to issue a step, B = 1024 and 16384, and a bank's); with
 #     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
 #   kernels: bench/kernel_times.py (each kernel's time in one float16 step of the triton backend at
-#     B = 1024, 4096, 16384 and a 1024 x 1048576 bank, and of triton-resident's and triton-symmetric's;
+#     B = 1024, 4096, 16384 and a 1024 x 1048576 bank, and of triton-resident's, triton-symmetric's and
+#     triton-unmirrored's;
 #     KERNEL_PROVIDERS names others (triton-fused, cuda); where the GPU waits inside 10 steps timed from
 #     an idle GPU; the Python functions that take the host's time, at B = 1024 those of the replayed step);
 #   on request: tests (the suite, or the files in TESTS, on CUDA tensors, without the static compile
@@ -84,13 +86,13 @@ bench_step() {  # one of the bench step's parts (see the header)
   bench-float16)
     tuned=$([ -f "$DIR/tune.json" ] && echo triton-tuned)  # (a sweep in this DIR: its winners too)
     run_step bench-float16 420 $PY bench/benchmark.py --device cuda --dtype float16 --sizes 1024 4096 16384 65536 \
-      --bank 262144 1048576 --providers matmul4 triton triton-direct triton-graph triton-resident triton-symmetric compiled \
-      pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
+      --bank 262144 1048576 --providers matmul4 triton triton-direct triton-graph triton-resident triton-symmetric \
+      triton-unmirrored compiled pml $tuned ${tuned:+--tuned "$DIR/tune.json"} \
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
-      --providers matmul4 triton triton-unsplit triton-fp16x3 triton-symmetric compiled pml --repeats 5 \
-      --out "$DIR/bench-float32" ;;
+      --providers matmul4 triton triton-unsplit triton-fp16x3 triton-symmetric triton-unmirrored compiled pml \
+      --repeats 5 --out "$DIR/bench-float32" ;;
   bench-xbm)
     for dtype in float16 float32; do
       run_step "bench-xbm-$dtype" 120 $PY bench/memory_benchmark.py --device cuda --dtype $dtype --providers ours pml \
@@ -144,7 +146,7 @@ for step in $STEPS; do
   bench-*) bench_step "$step" ;;
   kernels)
     run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 1024 4096 16384 1024x1048576 --idle 10 \
-      --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton triton-resident triton-symmetric} ;;
+      --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton triton-resident triton-symmetric triton-unmirrored} ;;
   accuracy)  # the triton backend's error against the float64 reference at the benchmark's sizes
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"

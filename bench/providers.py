@@ -17,7 +17,8 @@ MultiSimilarityLoss + MultiSimilarityMiner), `triton-unsplit` (float32: the chun
 products in float32, without their float16 pieces), `triton-fp16x3` (float32: the S tiles as three
 float16 products of split unit rows), `triton-resident` (16-bit: the
 negatives and weights kernels on rows loaded once and kept), `triton-symmetric` (the self case's
-negatives pass on half of S's tiles; both bench/triton_internals.py), and
+negatives pass on half of S's tiles), `triton-unmirrored` (the self case's chunked backward on
+every tile of each chunk's square; all four bench/triton_internals.py), and
 `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
@@ -33,11 +34,11 @@ TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 SPLIT = ("triton-unsplit", "triton-fp16x3")  # on request: float32's alone differ from triton
 BUDGETS = {"triton-chunk192": "192", "triton-chunk128": "128"}  # on request: MS_LOSS_TRITON_CHUNK_MB
 RESIDENT = ("triton-resident",)  # on request
-SYMMETRIC = ("triton-symmetric",)  # on request
+SELF_CASE = ("triton-symmetric", "triton-unmirrored")  # on request; a bank runs as triton
 COMPILED = ("compiled", "compiled-graph")
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SYMMETRIC, "cuda",
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SELF_CASE, "cuda",
              *COMPILED, "pml")
-FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SYMMETRIC, "cuda")
+FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SELF_CASE, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
 PROVIDER_HELP = {
@@ -58,6 +59,8 @@ PROVIDER_HELP = {
                        " every column tile, which then reads only its columns (bench/triton_internals.py)",
     "triton-symmetric": "the Triton backend, its self-case negatives pass on half of S's tiles, each summed for its"
                         " rows and its columns (bench/triton_internals.py)",
+    "triton-unmirrored": "the Triton backend, its self-case chunked backward on every tile of each chunk's own"
+                         " square, where triton mirrors half of them (bench/triton_internals.py)",
     "triton-chunk192": "the Triton backend's chunked backward at 192 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=192)",
     "triton-chunk128": "the Triton backend's chunked backward at 128 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=128)",
     "cuda": "ms_loss_cuda's CUDA C++ backend",
@@ -132,15 +135,10 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
             from triton_internals import tiles, within  # (bench/, this module's folder)
 
             return within(step, lambda: tiles(tuned))
-        if provider in RESIDENT + SYMMETRIC:
-            from triton_internals import resident_tiles, symmetric_tiles, tiles, within
+        if provider in RESIDENT + SELF_CASE + ("triton-fp16x3",):
+            from triton_internals import TABLES, tiles, within
 
-            table = resident_tiles() if provider in RESIDENT else symmetric_tiles()
-            return within(step, lambda: tiles(table))
-        if provider == "triton-fp16x3":
-            from triton_internals import fp16x3_tiles, tiles, within
-
-            table = fp16x3_tiles()
+            table = TABLES[provider]()
             return within(step, lambda: tiles(table))
         if provider == "triton-unsplit":
             from triton_internals import unsplit_products, within

@@ -1,7 +1,7 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
 triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep),
-triton-fp16x3, triton-resident and triton-symmetric, and the chunked backward's choice of products,
-for triton-unsplit.
+triton-fp16x3, triton-resident, triton-symmetric and triton-unmirrored, and the chunked backward's
+choice of products, for triton-unsplit.
 
 triton-resident asks whether the forward's negatives kernel and the chunked backward's weights are
 bound by the operand bytes their tiles read from L2: both read about 6.5 TB/s of operands in the
@@ -17,6 +17,14 @@ of them and sums each for both ends, its rows and its columns, so it does half t
 the same exponentials, and writes a partial per column tile (3 B^2 / 256 floats,
 so batches whose partials pass 256 MiB keep the shipped pass). How much of the pass the products
 take on a GPU is what it measures.
+
+triton-unmirrored measures what the chunked backward gains from S's symmetry within each chunk's
+own square. The shipped weights kernel computes a tile of the square right of its rows' diagonal
+block once and stores it at both places, and skips the tiles left of it (MIRROR, weights_kernel), so
+a batch that fits one chunk (B = 4096) computes about half of S, where triton-unmirrored computes
+all of it, and the triangle (B = 16384) half instead of three quarters. The mirrored tiles' stores
+are transposed, through shared memory, and their programs hold more registers (sm_90: 176 against
+159 on whole rows); how the two weigh against the halved products is what it measures.
 
 triton-fp16x3 asks whether the float32 S tiles should take float16 tensor cores. Their shipped form,
 "tf32x3", is three TF32 products. "fp16x3" is three float16 products of unit rows split into a float16
@@ -121,6 +129,24 @@ def symmetric_tiles(table=None):
         return dict(entry, NEGATIVES_TILES=dict(entry.get("NEGATIVES_TILES", {}), SYMMETRIC=True))
 
     return config
+
+
+def unmirrored_tiles(table=None):
+    """`table` (the shipped tile table unless given) with the chunked backward's weights computing every
+    tile of each chunk's square (triton-unmirrored)."""
+    from ms_loss_cuda.triton_kernels import launcher
+
+    table = table or launcher.tile_config
+
+    def config(kind, *args, **kwargs):
+        entry = table(kind, *args, **kwargs)
+        return dict(entry, MIRROR=False) if kind == "weights" else entry
+
+    return config
+
+
+TABLES = {"triton-fp16x3": fp16x3_tiles, "triton-resident": resident_tiles, "triton-symmetric": symmetric_tiles,
+          "triton-unmirrored": unmirrored_tiles}  # the providers that stand a table in for the shipped one
 
 
 def tuned_from(path, dtype):

@@ -42,10 +42,10 @@ def test_every_kernel_compiles_for_both_targets(records):
                "grad_kernel[rows=False,cols=True][check_ids=False]",
                "weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False]",
                "weights_kernel[cols=False,both_lifts=False,copy=True][check_ids=False]"}
-    # the self case's chunked backward in label order, with and without the caller's identities, and its
-    # positive ranges' launch
-    kernels |= {f"weights_kernel[cols=True,both_lifts={lift},copy=False][check_ids={ids}][label_order]{ranges}"
-                for lift in (False, True) for ids, ranges in ((False, ""), (False, "[range_tiles]"),
+    # the self case's chunked backward in label order (its label-free tiles mirrored in each chunk's square),
+    # with and without the caller's identities, and its positive ranges' launch
+    kernels |= {f"weights_kernel[cols=True,both_lifts={lift},copy=False][check_ids={ids}][label_order]{launch}"
+                for lift in (False, True) for ids, launch in ((False, "[mirror]"), (False, "[range_tiles]"),
                                                              (True, "[range_tiles]"))}
     # the fused backward takes the self case in label order, with and without the caller's identities
     kernels |= {f"grad_kernel[rows=True,cols=True][check_ids={ids}][label_order]" for ids in (False, True)}

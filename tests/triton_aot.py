@@ -109,6 +109,7 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
             name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
             name += "[label_order]" if c.get("LABEL_ORDER") else ""
+            name += "[mirror]" if c.get("MIRROR") else ""
             name += "[range_tiles]" if c.get("RANGE_TILES") else ""
             name += "[ref_scales]" if c.get("REF_SCALES") or c.get("B_SCALES") else ""
             name += "[split]" if c.get("SPLIT") else ""

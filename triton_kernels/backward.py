@@ -6,8 +6,9 @@ two forms (launcher.tile_config's CHUNK_BYTES, from $MS_LOSS_TRITON_CHUNK_MB):
 - chunked (a GPU's default): `scales_kernel`, then per chunk `weights_kernel` writes the lifted pair
   weights H of a block of rows (or columns) into a buffer within the budget, and `Product` multiplies
   it by cuBLAS with float32 sums. In the self case H is symmetric, so where chunks are tall enough a
-  chunk takes only the columns from its first row on (the triangle): half of S, and the transposed
-  product gives the later rows' share.
+  chunk takes only the columns from its first row on (the triangle), and the transposed product gives
+  the later rows' share; within each chunk's own square the weights kernel computes the tiles right
+  of the diagonal once for both places (MIRROR): about half of S.
 The self case runs in the forward's label order (operands.saved_label_order) and puts the rows of
 dx back in the caller's order at the end (`Reorder`). Every row of a gradient is summed in a fixed
 order: the same bits on every run.
@@ -219,8 +220,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     copy, triangle = ref is not None and ref_grad, False
     split = bool(chunk_bytes) and split_products(a.dtype, unit_rows)
     if chunk_bytes:
-        # (a table may give the weights launches COLUMN_TILES and RESIDENT_D: weights_kernel; the shipped one does not)
-        tiles = {"COLUMN_TILES": 1, "RESIDENT_D": 0,
+        # (a table may give the weights launches COLUMN_TILES and RESIDENT_D: weights_kernel; the shipped one does
+        # not; it gives MIRROR)
+        tiles = {"COLUMN_TILES": 1, "RESIDENT_D": 0, "MIRROR": False,
                  **launcher.tile_config("weights", a.dtype, dim, interpret, capability)}
         triangle_rows, range_tiles = tiles.pop("TRIANGLE_ROWS"), tiles.pop("RANGE_TILES")
         triangle_tiles = tiles.pop("TRIANGLE_TILES", {})
@@ -229,6 +231,9 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                                                 dim if ref_norms is not None or (split and ref is not None) else 0)
         if triangle and tiles["BLOCK_M"] % triangle_tiles.get("BLOCK_M", 1) == 0:  # (its chunks are whole blocks)
             tiles.update(triangle_tiles)
+        # the self case: each chunk's own square at about half its tiles, where the tiles allow
+        tiles["MIRROR"] = (ref is None and tiles["MIRROR"] and tiles["COLUMN_TILES"] == 1
+                           and tiles["BLOCK_M"] % tiles["BLOCK_N"] == 0)
     order, label_order = None, dict(range_ptr=norm, shared_ids_ptr=norm)  # (read in the self case only)
     if ref is None:
         # the self case runs in label order: a tile beside its row block's positive range holds negatives
@@ -342,10 +347,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     the anchor rows computes only its columns from r0 on (`triangle_chunks`): dx[r0:r1] +=
     H[r0:r1, r0:] @ x[r0:], and the part right of its own square gives the later rows' share,
     dx[r1:] += H[r0:r1, r1:]^T @ x[r0:r1], in pieces of at most `piece` rows (piece_rows). S costs
-    half a GEMM-equivalent plus half of each chunk's square, where all columns would cost one; the
-    products still one, but the second reads and writes all later rows of dx once per chunk,
-    memory-bound for short chunks: so the triangle needs chunks of at least TRIANGLE_ROWS
-    (tile_config). A weight enters a product from either side
+    half a GEMM-equivalent (each chunk's square mirrored: weights_kernel's MIRROR), where all
+    columns would cost one; the products still one, but the second reads and writes all later rows
+    of dx once per chunk, memory-bound for short chunks: so the triangle needs chunks of at least
+    TRIANGLE_ROWS (tile_config). A weight enters a product from either side
     there, so H_pq is lifted by both ends' lifts, l_p l_q (`scales_kernel`'s HALF_LIFT: about the
     square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
     divided by theirs (`Unlift`): (H L) (L^-1 x) row by row, unlifted by each output row's own. So an
@@ -400,8 +405,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     steps += [Unlift(unlift_ref, norm, column_lift)] if copy else []
     for chunk, ((row_begin, row_end), (col_begin, col_end)) in enumerate(rectangles):
         rows, cols = row_end - row_begin, col_end - col_begin
-        # the range launch's row blocks must be the ranges' (the label-free tiles' weights in a range are wrong)
+        # the range launch's row blocks must be the ranges' (the label-free tiles' weights in a range are wrong),
+        # and a mirrored square's tiles left of the diagonal the transposes of those right of it
         assert not tiles["LABEL_ORDER"] or row_begin % range_tiles["BLOCK_M"] == 0
+        assert not tiles["MIRROR"] or (row_begin - col_begin) % tiles["BLOCK_N"] == 0
         width = _padded(cols) * (1 + split)
         w, w_copy = (t[:rows * width].view(rows, width) for t in (buffer, copy_buffer))
         args = dict(weights_args, row_scale_ptr=lift, w_ptr=w, copy_ptr=w_copy, w_stride=w.stride(0),
@@ -421,7 +428,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = launcher.split_config(range_tiles)
             steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,
-                                dict(tiles, **range_config, RANGE_TILES=True, COLUMN_TILES=1, RESIDENT_D=0),
+                                dict(tiles, **range_config, RANGE_TILES=True, COLUMN_TILES=1, RESIDENT_D=0,
+                                     MIRROR=False),
                                 range_warps, range_stages))
         if triangle:
             w_rows, w_rests = _columns(w, 0, cols, split)

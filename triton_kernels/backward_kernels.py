@@ -174,9 +174,13 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                   SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr,
                   LABEL_FREE: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-                  a_rows=None, RESIDENT_D: tl.constexpr = 0):
+                  a_rows=None, RESIDENT_D: tl.constexpr = 0, MIRROR: tl.constexpr = False, mirrored=False,
+                  row_end=0):
     """weights_kernel's work on one tile: H of the rows against the columns, lifted, stored (a_rows,
-    RESIDENT_D: pairs.similarity_tile's; SPLIT: weights_kernel's)."""
+    RESIDENT_D: pairs.similarity_tile's; SPLIT: weights_kernel's). With MIRROR, a tile that is
+    `mirrored` also stores its transpose, H_qp = H_pq at the columns' rows q of the chunk (they end
+    before row_end), each lifted as its row: by both ends' lifts (BOTH_LIFTS, the same values), else
+    by the column's."""
     if LABEL_FREE:
         s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
                             PRECISION, a_rows, RESIDENT_D)
@@ -217,6 +221,16 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
         tl.store(w_ptr + offsets, (h * lift).to(w_ptr.dtype.element_ty), mask=ok)
         if COPY:
             tl.store(copy_ptr + offsets, (h * tl.load(copy_scale_ptr)).to(copy_ptr.dtype.element_ty), mask=ok)
+    if MIRROR:
+        if mirrored:  # (a branch: the tiles beside the diagonal and outside the square skip it)
+            # (names of their own: a branch may not give a name another shape)
+            mirror_lift = lift if BOTH_LIFTS else tl.load(row_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
+            mirror_at = w_ptr + (cols - row_begin)[:, None].to(tl.int64) * w_stride + (rows - col_begin)[None, :]
+            mirror_ok = (col_ok & (cols < row_end))[:, None] & row_ok[None, :]
+            if SPLIT:
+                store_float16_parts(mirror_at, h * mirror_lift, w_stride // 2, mirror_ok, True)
+            else:
+                tl.store(mirror_at, tl.trans((h * mirror_lift).to(w_ptr.dtype.element_ty)), mask=mirror_ok)
 
 
 @triton.jit
@@ -227,7 +241,7 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                    BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                    RANGE_TILES: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, COLUMN_TILES: tl.constexpr,
-                   RESIDENT_D: tl.constexpr, SPLIT: tl.constexpr):
+                   RESIDENT_D: tl.constexpr, SPLIT: tl.constexpr, MIRROR: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in grad_kernel; the rows of a are anchors, and so are
     b's when B_ANCHORS), lifted, written in the input dtype to w[rows - row_begin, cols - col_begin] for
     cuBLAS products (`Product`), the columns up to the buffer's padded row length w_stride. The lift: each
@@ -246,7 +260,13 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     loaded once and kept (pairs.resident_rows), so that each tile reads only its columns. SPLIT (float32
     rows): w (and copy) are float16, each buffer row the weights' high parts (pairs.float16_parts), then
     their rests: w_stride / 2 columns each, for products on float16 tensor cores with a float32 product's
-    accuracy (backward_plan)."""
+    accuracy (backward_plan).
+    MIRROR (self case; one tile a program, BLOCK_M a multiple of BLOCK_N, the chunk's rows starting on
+    a row block): H is symmetric, so within the chunk's own square, the columns [row_begin, row_end),
+    a tile wholly right of its rows' diagonal block is computed once for both places, storing its
+    transpose too, and a tile wholly left of it ends at once: the square costs about half of its
+    tiles. (A tile that meets the diagonal block is computed as it is; with BLOCK_M a multiple of
+    BLOCK_N the pairs of a tile left of it are exactly the transposes of pairs in tiles right of it.)"""
     rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if RANGE_TILES:  # (whole tiles: the columns past the range's end get their weights again, classified)
@@ -265,11 +285,18 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           BLOCK_K, UPCAST, PRECISION, SPLIT)
     elif COLUMN_TILES == 1:  # (no loop for one tile: the shipped launches compile as they did before the loop)
         cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
-                      scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
-                      row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
-                      MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M, BLOCK_N,
-                      BLOCK_K, UPCAST, PRECISION, SPLIT)
+        computed, mirrored = True, False
+        if MIRROR:  # the chunk's own square: right of the diagonal block, once for both places; left, none
+            first_row, first_col = row_begin + tl.program_id(1) * BLOCK_M, col_begin + tl.program_id(0) * BLOCK_N
+            outside = (first_col < row_begin) | (first_col >= row_end)
+            mirrored = (first_col >= first_row + BLOCK_M) & (first_col < row_end)  # (columns from row_begin on)
+            computed = outside | (first_col + BLOCK_N > first_row)
+        if computed:
+            _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
+                          scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
+                          row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
+                          MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M,
+                          BLOCK_N, BLOCK_K, UPCAST, PRECISION, SPLIT, None, 0, MIRROR, mirrored, row_end)
     else:
         a_rows = None
         if RESIDENT_D:

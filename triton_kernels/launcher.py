@@ -130,11 +130,12 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
       case's triangle, whose weights also read the columns' lifts, on 64 x 64 tiles of 4 warps
       (bench/results/gpu/tune-weights-float16.json). RANGE_TILES: the small single-stage tiles of
       the launch that rewrites each row block's positive range with classified weights.
-      TRIANGLE_ROWS: the chunk height from which the self case takes the triangle. A chunk of c rows
-      reads and writes all later rows of dx (float32, 16 bytes a value) for 2 c flops a value, c / 8
-      flops a byte: 128 at c = 1024, under half of what an H100's tensor cores need, so that
-      product runs at about 1.4x its flops' time, still less than the S it saves; shorter chunks
-      take whole rows.
+      MIRROR: the self case's chunks compute the tiles of their own square right of the diagonal
+      once for both places (weights_kernel). TRIANGLE_ROWS: the chunk height from which the self
+      case takes the triangle. A chunk of c rows reads and writes all later rows of dx (float32, 16
+      bytes a value) for 2 c flops a value, c / 8 flops a byte: 128 at c = 1024, under half of
+      what an H100's tensor cores need, so that product runs at about 1.4x its flops' time, still
+      less than the S it saves; shorter chunks take whole rows.
     float32 tiles run on TF32 tensor cores, three products a tile at torch's default float32 matmul
     precision (`float32_precision`); those tiles are not tuned yet.
     The backward entry's CHUNK_BYTES picks the backward's form: 0, the fused grad_kernel; else the
@@ -150,6 +151,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
         config["TRIANGLE_ROWS"] = config["BLOCK_M"] if interpret else 1024
+        config["MIRROR"] = True
         config["TRIANGLE_TILES"] = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4)
                                     if dtype != torch.float32 and not interpret else {})
         config["RANGE_TILES"] = (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=config["BLOCK_K"], num_warps=4, num_stages=1)
