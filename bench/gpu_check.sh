@@ -27,6 +27,7 @@
 #     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
 #   kernels: bench/kernel_times.py (each kernel's time in one float16 step of the triton backend at
 #     B = 1024, 4096, 16384 and a 1024 x 1048576 bank, and of triton-resident's, triton-symmetric's and
+#     triton-unmirrored's; then float32 at B = 16384, triton's beside triton-fp16x3's, triton-symmetric's and
 #     triton-unmirrored's;
 #     KERNEL_PROVIDERS names others (triton-fused, cuda); where the GPU waits inside 10 steps timed from
 #     an idle GPU; the Python functions that take the host's time, at B = 1024 those of the replayed step);
@@ -146,7 +147,9 @@ for step in $STEPS; do
   bench-*) bench_step "$step" ;;
   kernels)
     run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 1024 4096 16384 1024x1048576 --idle 10 \
-      --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton triton-resident triton-symmetric triton-unmirrored} ;;
+      --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton triton-resident triton-symmetric triton-unmirrored}
+    run_step kernels-float32 120 $PY bench/kernel_times.py --dtype float32 --shapes 16384 --idle 10 \
+      --providers triton triton-fp16x3 triton-symmetric triton-unmirrored ;;
   accuracy)  # the triton backend's error against the float64 reference at the benchmark's sizes
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"

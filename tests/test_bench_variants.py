@@ -1,7 +1,8 @@
 """The benchmark's variants of the Triton backend (bench/triton_internals.py) compute the same loss:
 triton-unsplit's float32 backward products (one float32 product each, without the shipped float16
 pieces) give the shipped gradient within float32's tolerance; triton-fp16x3's, triton-resident's and
-triton-symmetric's tiles the float64 reference's."""
+triton-symmetric's tiles the float64 reference's; and bench/gpu_check.sh names only providers the
+benchmark knows."""
 import os
 import sys
 
@@ -227,3 +228,21 @@ def test_triton_providers_run_under_the_budget_they_name(monkeypatch, provider, 
     x, labels, _, _ = make_inputs(8, 4)
     step_function(provider, labels)(x.requires_grad_())
     assert seen == [(budget, "triton")]
+
+
+def test_the_gpu_check_names_only_providers_the_benchmark_knows():
+    """A provider name that bench/gpu_check.sh passes to the benchmark or the kernel times and that they
+    do not know would fail on a GPU machine only, after its time is spent."""
+    import re
+
+    from providers import PROVIDERS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "gpu_check.sh")) as f:
+        script = f.read().replace("\\\n", " ")
+    named = set()
+    for providers in re.findall(r"--providers\s+(.*?)(?=\s--|\s;;|\n)", script):
+        names = providers.replace("${KERNEL_PROVIDERS:-", "").replace("}", "").split()
+        named.update(name for name in names if "$" not in name)  # ($tuned and its --tuned: a sweep's)
+    assert {"triton", "triton-unmirrored", "compiled", "pml"} <= named
+    assert named <= set(PROVIDERS) | {"ours"}, named - set(PROVIDERS)  # (ours: bench/memory_benchmark.py's)
