@@ -156,7 +156,7 @@ def float16_parts(v):
 def store_float16_parts(at, values, rests_after, ok, TRANSPOSE: tl.constexpr = False):
     """Float32 values as float16 pieces (float16_parts): the high parts at `at`, the rests `rests_after`
     elements on (a buffer row's high parts, then its rests). TRANSPOSE: the pieces of values' transpose
-    (`at` and `ok` shaped as it), split before they are transposed: half the bytes to move."""
+    (`at` and `ok` shaped as it)."""
     hi, lo = float16_parts(values)
     if TRANSPOSE:
         hi, lo = tl.trans(hi), tl.trans(lo)
