@@ -73,6 +73,16 @@ def in_turn(values, *axes):
 REDUCTIONS = ["mean", "sum", "none"]
 
 
+def gpu_tile_table(monkeypatch, capability):
+    """The kernels on the tile table a GPU of `capability` gets (launcher.tile_config with interpret
+    False), under the interpreter."""
+    from ms_loss_cuda.triton_kernels import launcher
+
+    shipped = launcher.tile_config
+    monkeypatch.setattr(launcher, "tile_config",
+                        lambda kind, tile_dtype, dim, *_: shipped(kind, tile_dtype, dim, False, capability))
+
+
 def chunk_choices(monkeypatch, triangle_rows=None):
     """[(chunks, triangle)] of every chunked backward plan made after this (backward.chunk_rectangles);
     with triangle_rows, the tile table's TRIANGLE_ROWS replaced by it (10 ** 9: whole rows; 1: the

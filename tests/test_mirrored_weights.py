@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_case, check_against_reference, make_batch
-from targets import DEVICE, TOLERANCE, chunk_choices, triton_kernels
+from targets import DEVICE, TOLERANCE, chunk_choices, gpu_tile_table, triton_kernels
 
 pytestmark = pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
                                 reason="runs a GPU's tiles under the interpreter (on a GPU the parity suites do)")
@@ -22,9 +22,22 @@ pytestmark = pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not
 BATCH, DIM = 300, 64  # (300 = 4 x 64 + 44 = 2 x 128 + 44: a partial last block in either table)
 
 
-def _budget_mib(rows, columns, element_size):
-    """A chunk budget (MiB, as MS_LOSS_TRITON_CHUNK_MB takes it) of weights for `rows` rows of `columns`."""
-    return f"{(rows + 0.5) * columns * element_size / 2 ** 20:.6f}"
+def _chunked(monkeypatch, form, capability, dtype, chunk_rows):
+    """The chunked backward in `form` (whole rows or the triangle) on the interpreter's tiles (capability
+    None) or a GPU's, its budget (MS_LOSS_TRITON_CHUNK_MB) the weights of chunks of `chunk_rows` rows;
+    the plans' chunks, as chunk_choices records them."""
+    if capability is not None:
+        gpu_tile_table(monkeypatch, capability)
+    chosen = chunk_choices(monkeypatch, triangle_rows=1 if form == "triangle" else 10 ** 9)
+    columns = BATCH + (-BATCH % 16) if form == "triangle" else BATCH  # (the triangle's rows are padded)
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", f"{(chunk_rows + 0.5) * columns * dtype.itemsize / 2 ** 20:.6f}")
+    return chosen
+
+
+def _batch():
+    """Classes close enough that mining keeps about 13% of the negatives (and 70% of the positives): the
+    label-free tiles' weights matter."""
+    return make_batch(BATCH, DIM, BATCH // 6, spread=1.25, seed=14)
 
 
 # (form, GPU capability or None for the interpreter's table, dtype, chunk rows, case, reduction, mining)
@@ -48,20 +61,12 @@ def test_mirrored_squares_match_the_reference(monkeypatch, form, capability, dty
                                               mining):
     from ms_loss_cuda.triton_kernels import launcher
 
-    if capability is not None:  # a GPU's tiles, under the interpreter
-        shipped = launcher.tile_config
-        monkeypatch.setattr(launcher, "tile_config",
-                            lambda kind, tile_dtype, dim, *_: shipped(kind, tile_dtype, dim, False, capability))
-    chosen = chunk_choices(monkeypatch, triangle_rows=1 if form == "triangle" else 10 ** 9)
-    columns = BATCH + (-BATCH % 16) if form == "triangle" else BATCH  # (the triangle's rows are padded)
-    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", _budget_mib(chunk_rows, columns, dtype.itemsize))
+    chosen = _chunked(monkeypatch, form, capability, dtype, chunk_rows)
     weights, shipped_launch = [], launcher.Launch.__call__
     monkeypatch.setattr(launcher.Launch, "__call__", lambda launch: (
         weights.append(launch.constexprs) if launch.kernel.fn.__name__ == "weights_kernel" else None,
         shipped_launch(launch)))
-    # classes close enough that mining keeps about 13% of the negatives (and 70% of the positives): the
-    # label-free tiles' weights matter
-    x, labels = make_batch(BATCH, DIM, BATCH // 6, spread=1.25, seed=14)
+    x, labels = _batch()
     kwargs = dict(embeddings=x, labels=labels)
     if case != "self":  # the caller's identities: distinct, or shared by rows of different labels
         kwargs["ids"] = torch.arange(BATCH) * 3 % (BATCH + 1) if case == "ids" else torch.arange(BATCH) % 97
@@ -119,15 +124,8 @@ def test_mirrored_weights_fill_their_chunk_and_nothing_past_it(monkeypatch, form
     past it (a transposed tile's rows beyond the batch). float32 as float16 pieces: both halves."""
     from ms_loss_cuda.triton_kernels import backward, launcher
 
-    if capability is not None:
-        shipped = launcher.tile_config
-        monkeypatch.setattr(launcher, "tile_config",
-                            lambda kind, tile_dtype, dim, *_: shipped(kind, tile_dtype, dim, False, capability))
-    chosen = chunk_choices(monkeypatch, triangle_rows=1 if form == "triangle" else 10 ** 9)
-    columns = BATCH + (-BATCH % 16) if form == "triangle" else BATCH
-    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", _budget_mib(128 if form == "triangle" else BATCH, columns,
-                                                                dtype.itemsize))
-    x, labels = make_batch(BATCH, DIM, BATCH // 6, spread=1.25, seed=14)
+    chosen = _chunked(monkeypatch, form, capability, dtype, 128 if form == "triangle" else BATCH)
+    x, labels = _batch()
     x = F.normalize(x, dim=1).to(dtype)
     hyper = (2.0, 10.0, 0.2, 0.1, True, False)
     device = torch.device("cpu")

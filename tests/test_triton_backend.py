@@ -15,8 +15,8 @@ from ms_loss_cuda.common import unit_rows
 
 from conftest import (assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
                       make_batch, threshold_crossing, to)
-from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, in_turn,
-                     triton_kernels)
+from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, gpu_tile_table,
+                     in_turn, triton_kernels)
 
 if triton_kernels is not None:
     from ms_loss_cuda.triton_kernels import launcher, op, operands, row_kernels
@@ -246,9 +246,7 @@ def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capa
     that capability gets, at B = 300 (row blocks of 128 in the forward, whose reference-set positive
     lists take seven halvings to search; the range launch's 64 rows under the weights' 128; the self
     case's chunks in the triangle, on its own tiles, at any height)."""
-    shipped = launcher.tile_config
-    monkeypatch.setattr(launcher, "tile_config",
-                        lambda kind, tile_dtype, dim, *_: shipped(kind, tile_dtype, dim, False, capability))
+    gpu_tile_table(monkeypatch, capability)
     chosen = chunk_choices(monkeypatch, triangle_rows=1)
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)
     kwargs = build_case("ref_ids" if case == "memory_bank" else case, 300, 64, torch.float64, seed=14)
