@@ -17,7 +17,8 @@
 #       on every tile of each chunk's square; not the banks), compiled (torch.compile of the dense loss), pml;
 #     bench-float32: B = 16384 for matmul4, triton, its float32 variants triton-unsplit (the backward's
 #       products in float32, without their float16 pieces) and triton-fp16x3 (the S tiles as three
-#       float16 products; bench/triton_internals.py), triton-symmetric, triton-unmirrored, compiled, pml;
+#       float16 products; bench/triton_internals.py), triton-unsymmetric (the self case's negatives pass on
+#       every tile, where float32 on sm_90 ships half of them), triton-unmirrored, compiled, pml;
 #     bench-xbm: CrossBatchMemory, B = 1000 against 55,000 rows, float16 and float32, ours and pml's;
 #     bench-graphs: the CUDA graphs of both, triton-graph beside compiled-graph, B = 4096 and 16384;
 #     bench-chunks: the chunked backward's budget, float16 B = 8192, 16384, 65536 and the 262144-row bank for
@@ -27,7 +28,7 @@
 #     BEFORE=another checkout, bench/host_time_versus.py (this checkout's step and that one's, taking turns);
 #   kernels: bench/kernel_times.py (each kernel's time in one float16 step of the triton backend at
 #     B = 1024, 4096, 16384 and a 1024 x 1048576 bank, and of triton-resident's, triton-symmetric's and
-#     triton-unmirrored's; then float32 at B = 16384, triton's beside triton-fp16x3's, triton-symmetric's and
+#     triton-unmirrored's; then float32 at B = 16384, triton's beside triton-fp16x3's, triton-unsymmetric's and
 #     triton-unmirrored's;
 #     KERNEL_PROVIDERS names others (triton-fused, cuda); where the GPU waits inside 10 steps timed from
 #     an idle GPU; the Python functions that take the host's time, at B = 1024 those of the replayed step);
@@ -92,7 +93,7 @@ bench_step() {  # one of the bench step's parts (see the header)
       --repeats 15 --max-seconds 10 --out "$DIR/bench-float16" ;;
   bench-float32)
     run_step bench-float32 240 $PY bench/benchmark.py --device cuda --dtype float32 --sizes 16384 \
-      --providers matmul4 triton triton-unsplit triton-fp16x3 triton-symmetric triton-unmirrored compiled pml \
+      --providers matmul4 triton triton-unsplit triton-fp16x3 triton-unsymmetric triton-unmirrored compiled pml \
       --repeats 5 --out "$DIR/bench-float32" ;;
   bench-xbm)
     for dtype in float16 float32; do
@@ -149,7 +150,7 @@ for step in $STEPS; do
     run_step kernels 240 $PY bench/kernel_times.py --dtype float16 --shapes 1024 4096 16384 1024x1048576 --idle 10 \
       --cprofile 20 --providers ${KERNEL_PROVIDERS:-triton triton-resident triton-symmetric triton-unmirrored}
     run_step kernels-float32 120 $PY bench/kernel_times.py --dtype float32 --shapes 16384 --idle 10 \
-      --providers triton triton-fp16x3 triton-symmetric triton-unmirrored ;;
+      --providers triton triton-fp16x3 triton-unsymmetric triton-unmirrored ;;
   accuracy)  # the triton backend's error against the float64 reference at the benchmark's sizes
     run_step accuracy 120 $PY bench/accuracy.py --device cuda --sizes 4096 16384 --bank 262144 \
       --dtypes float32 float16 bfloat16 --precisions highest high --out "$DIR/accuracy.txt"

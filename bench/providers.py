@@ -17,8 +17,9 @@ MultiSimilarityLoss + MultiSimilarityMiner), `triton-unsplit` (float32: the chun
 products in float32, without their float16 pieces), `triton-fp16x3` (float32: the S tiles as three
 float16 products of split unit rows), `triton-resident` (16-bit: the
 negatives and weights kernels on rows loaded once and kept), `triton-symmetric` (the self case's
-negatives pass on half of S's tiles), `triton-unmirrored` (the self case's chunked backward on
-every tile of each chunk's square; all four bench/triton_internals.py), and
+negatives pass on half of S's tiles, as float32 on sm_90 ships), `triton-unsymmetric` (the self
+case's negatives pass on every tile, as the other entries ship), `triton-unmirrored` (the self case's
+chunked backward on every tile of each chunk's square; all five bench/triton_internals.py), and
 `NAME-graph` (CUDA only: triton's steps captured once in a CUDA graph and replayed, no host work per
 step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUDA graphs).
 
@@ -34,7 +35,7 @@ TUNED = ("triton-tuned", "triton-tuned-graph")  # with --tuned
 SPLIT = ("triton-unsplit", "triton-fp16x3")  # on request: float32's alone differ from triton
 BUDGETS = {"triton-chunk192": "192", "triton-chunk128": "128"}  # on request: MS_LOSS_TRITON_CHUNK_MB
 RESIDENT = ("triton-resident",)  # on request
-SELF_CASE = ("triton-symmetric", "triton-unmirrored")  # on request; a bank runs as triton
+SELF_CASE = ("triton-symmetric", "triton-unsymmetric", "triton-unmirrored")  # on request; a bank runs as triton
 COMPILED = ("compiled", "compiled-graph")
 PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SELF_CASE, "cuda",
              *COMPILED, "pml")
@@ -59,6 +60,8 @@ PROVIDER_HELP = {
                        " every column tile, which then reads only its columns (bench/triton_internals.py)",
     "triton-symmetric": "the Triton backend, its self-case negatives pass on half of S's tiles, each summed for its"
                         " rows and its columns (bench/triton_internals.py)",
+    "triton-unsymmetric": "the Triton backend, its self-case negatives pass on every tile of S, where float32 on"
+                          " sm_90 takes half of them (bench/triton_internals.py)",
     "triton-unmirrored": "the Triton backend, its self-case chunked backward on every tile of each chunk's own"
                          " square, where triton mirrors half of them (bench/triton_internals.py)",
     "triton-chunk192": "the Triton backend's chunked backward at 192 MiB of pair weights (MS_LOSS_TRITON_CHUNK_MB=192)",

@@ -1,7 +1,7 @@
 """The benchmark's only reach into the Triton backend's internals: its tile table, for the
 triton-tuned providers (--tuned tune.json, the winners of bench/tune_triton.py's sweep),
-triton-fp16x3, triton-resident, triton-symmetric and triton-unmirrored, and the chunked backward's
-choice of products, for triton-unsplit.
+triton-fp16x3, triton-resident, triton-symmetric, triton-unsymmetric and triton-unmirrored, and the
+chunked backward's choice of products, for triton-unsplit.
 
 triton-resident asks whether the forward's negatives kernel and the chunked backward's weights are
 bound by the operand bytes their tiles read from L2: both read about 6.5 TB/s of operands in the
@@ -11,12 +11,14 @@ kernel at 37% of L2's peak, and an earlier variant that read all of D in one blo
 the rows resident a tile reads only its 32 columns, 8 bytes a pair; a weights program, which holds
 one tile, walks several.
 
-triton-symmetric asks how much the forward gains from S's symmetry in the self case. The shipped
+triton-symmetric asks how much the forward gains from S's symmetry in the self case. The 16-bit
 negatives pass computes every tile of S once for its rows; symmetric_negatives_kernel computes half
 of them and sums each for both ends, its rows and its columns, so it does half the products and
 the same exponentials, and writes a partial per column tile (3 B^2 / 256 floats,
-so batches whose partials pass 256 MiB keep the shipped pass). How much of the pass the products
-take on a GPU is what it measures.
+so batches whose partials pass 256 MiB keep the full pass). How much of the pass the products
+take on a GPU is what it measures. float32 on sm_90 ships the symmetric pass, as its three TF32
+products a tile make it bound by its products (launcher.tile_config); triton-unsymmetric times the
+full pass there.
 
 triton-unmirrored measures what the chunked backward gains from S's symmetry within each chunk's
 own square. The shipped weights kernel computes a tile of the square right of its rows' diagonal
@@ -131,6 +133,23 @@ def symmetric_tiles(table=None):
     return config
 
 
+def unsymmetric_tiles(table=None):
+    """`table` (the shipped tile table unless given) with the self case's negatives pass on every tile of S
+    (triton-unsymmetric: forward_kernels.negatives_kernel, where float32 on sm_90 ships the symmetric
+    pass)."""
+    from ms_loss_cuda.triton_kernels import launcher
+
+    table = table or launcher.tile_config
+
+    def config(kind, *args, **kwargs):
+        entry = table(kind, *args, **kwargs)
+        if kind != "forward" or "NEGATIVES_TILES" not in entry:
+            return entry
+        return dict(entry, NEGATIVES_TILES=dict(entry["NEGATIVES_TILES"], SYMMETRIC=False))
+
+    return config
+
+
 def unmirrored_tiles(table=None):
     """`table` (the shipped tile table unless given) with the chunked backward's weights computing every
     tile of each chunk's square (triton-unmirrored)."""
@@ -145,8 +164,9 @@ def unmirrored_tiles(table=None):
     return config
 
 
+# the providers that stand a table in for the shipped one
 TABLES = {"triton-fp16x3": fp16x3_tiles, "triton-resident": resident_tiles, "triton-symmetric": symmetric_tiles,
-          "triton-unmirrored": unmirrored_tiles}  # the providers that stand a table in for the shipped one
+          "triton-unsymmetric": unsymmetric_tiles, "triton-unmirrored": unmirrored_tiles}
 
 
 def tuned_from(path, dtype):

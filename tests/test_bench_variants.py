@@ -1,8 +1,9 @@
 """The benchmark's variants of the Triton backend (bench/triton_internals.py) compute the same loss:
 triton-unsplit's float32 backward products (one float32 product each, without the shipped float16
 pieces) give the shipped gradient within float32's tolerance; triton-fp16x3's, triton-resident's and
-triton-symmetric's tiles the float64 reference's; and bench/gpu_check.sh names only providers the
-benchmark knows."""
+triton-symmetric's tiles the float64 reference's; the shipped table takes the symmetric pass where it
+says (float32 on sm_90) and triton-unsymmetric's nowhere; and bench/gpu_check.sh names only providers
+the benchmark knows."""
 import os
 import sys
 
@@ -209,6 +210,36 @@ def test_symmetric_negatives_keep_the_shipped_pass_past_their_memory(monkeypatch
         check_against_reference("triton", build_case("self", 300, 24, torch.float16), torch.float16, "none",
                                 device=DEVICE)
     assert "negatives_kernel" in names and "symmetric_negatives_kernel" not in names
+
+
+@pytest.mark.parametrize("dtype, capability, symmetric", [(torch.float32, (9, 0), True), (torch.float32, (10, 0), False),
+                                                     (torch.float32, (8, 0), False), (torch.float32, (12, 0), False),
+                                                     ("float32-tf32", (9, 0), False), (torch.float16, (9, 0), False),
+                                                     (torch.bfloat16, (9, 0), False)])
+def test_float32_on_sm90_ships_the_symmetric_pass(monkeypatch, dtype, capability, symmetric):
+    """The GPU tile table's self-case negatives pass (plans only, on CPU tensors): symmetric for float32
+    at torch's default precision (three TF32 products a tile) on sm_90 alone, never for a reference
+    set, and never on triton-unsymmetric's table."""
+    import triton_internals
+    from conftest import build_case
+    from ms_loss_cuda.triton_kernels import forward_plan, launcher
+
+    if dtype == "float32-tf32":
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+        dtype = torch.float32
+
+    def negatives(case, table=launcher.tile_config):
+        kwargs = build_case(case, 512, 64, dtype)
+        with triton_internals.tiles(table):
+            *_, launches = forward_plan(kwargs["embeddings"], kwargs["labels"], None, kwargs.get("ref_embeddings"),
+                                        kwargs.get("ref_labels"), None, 2.0, 50.0, 0.5, 0.1, True, False,
+                                        interpret=False, capability=capability, multiprocessors=132)
+        names = [launch.kernel.fn.__name__ for launch in launches]
+        return [name for name in names if name.endswith("negatives_kernel")]
+
+    assert negatives("self") == ["symmetric_negatives_kernel" if symmetric else "negatives_kernel"]
+    assert negatives("ref") == ["negatives_kernel"]
+    assert negatives("self", triton_internals.unsymmetric_tiles()) == ["negatives_kernel"]
 
 
 @pytest.mark.parametrize("provider, budget", [("triton", None), ("triton-fused", "0"), ("triton-chunk192", "192"),

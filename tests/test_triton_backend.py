@@ -245,7 +245,8 @@ def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capa
     """The interpreter's own tiles are small (tile_config); here the kernels run on the tiles a GPU of
     that capability gets, at B = 300 (row blocks of 128 in the forward, whose reference-set positive
     lists take seven halvings to search; the range launch's 64 rows under the weights' 128; the self
-    case's chunks in the triangle, on its own tiles, at any height)."""
+    case's chunks in the triangle, on its own tiles, at any height; float32's symmetric negatives
+    pass on sm_90, three row blocks of it)."""
     gpu_tile_table(monkeypatch, capability)
     chosen = chunk_choices(monkeypatch, triangle_rows=1)
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", chunk_mib)

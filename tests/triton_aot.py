@@ -1,11 +1,13 @@
 """Compiles every Triton kernel launch the dispatcher makes, ahead of time for sm_80 and sm_90
 (no GPU or driver needed), and the float16 and float32 launches at D = 512 for Blackwell, sm_100
-(B200) and sm_120 (RTX 50), besides the negatives pass of the benchmark's triton-symmetric (D = 512),
-and prints one JSON record per (launch, target): tensor-core instructions in the PTX, what `ptxas -v`
-reports and the shared memory a program needs. Run by tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
+(B200) and sm_120 (RTX 50), besides the self case's negatives pass of the benchmark's triton-symmetric
+and triton-unsymmetric (D = 512), and prints one JSON record per (launch, target): tensor-core
+instructions in the PTX, what `ptxas -v` reports and the shared memory a program needs. Run by
+tests/test_triton_compile.py in a process of its own, because TRITON_INTERPRET=1 (set for the
 interpreted tests) replaces the jit functions this needs.  Usage: python tests/triton_aot.py
 """
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -27,7 +29,7 @@ from ms_loss_cuda.triton_kernels.launcher import Launch
 from ms_loss_cuda.triton_kernels.row_kernels import row_norms_plan, stored_rows_plan, unit_rows_grad_plan, unit_rows_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from triton_internals import symmetric_tiles  # noqa: E402
+from triton_internals import symmetric_tiles, unsymmetric_tiles  # noqa: E402
 
 TARGETS = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120a"}
 BLACKWELL = (100, 120)  # compiled for the float16 and float32 launches at D = 512 only
@@ -115,14 +117,18 @@ def launches(dtype_name, dim, mining, skip, cc):
             name += "[split]" if c.get("SPLIT") else ""
             name += "[undivided]" if c.get("DIVIDE") is False else ""
             found.setdefault(name, launch)  # (the launches the cases share are compiled once)
-    if dtype_name in ("float16", "float32") and dim == DIMS[-1]:  # the benchmark's triton-symmetric's pass
-        for i in (None, torch.arange(ROWS) % 97):
-            with mock.patch.object(launcher, "tile_config", symmetric_tiles(launcher.tile_config)):
+    if dtype_name in ("float16", "float32") and dim == DIMS[-1]:
+        # the self case's negatives pass of the benchmark's triton-symmetric (none for float32 on sm_80 and
+        # sm_120: symmetric_tiles says why) and triton-unsymmetric (where the shipped table is symmetric)
+        for table, i in itertools.product((symmetric_tiles, unsymmetric_tiles), (None, torch.arange(ROWS) % 97)):
+            with mock.patch.object(launcher, "tile_config", table(launcher.tile_config)):
                 *_, forward = forward_plan(x, labels, i, None, None, None, *hyper, interpret=False,
                                            capability=divmod(cc, 10))
-            for launch in forward:  # (none for float32 on sm_80 and sm_120: symmetric_tiles says why)
+            for launch in forward:
                 if launch.kernel.fn.__name__ == "symmetric_negatives_kernel":
                     found[f"symmetric_negatives_kernel[check_ids={i is not None}]"] = launch
+                elif launch.kernel.fn.__name__ == "negatives_kernel":
+                    found.setdefault(f"negatives_kernel[check_ids={i is not None}][skip_range=True]", launch)
     return found
 
 

@@ -34,7 +34,7 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
     config, warps, stages = launcher.split_config(launcher.tile_config("forward", a.dtype, dim, interpret, capability))
     # (NEGATIVES_TILES: the negatives pass's own BLOCK_N, warps, stages or RESIDENT_D, never its BLOCK_M, or
     # SYMMETRIC: the self case's symmetric_negatives_kernel, on square tiles of the row blocks, whatever BLOCK_N;
-    # the shipped table has none)
+    # the shipped table gives it to float32 on sm_90)
     negatives_tiles = dict(config.pop("NEGATIVES_TILES", {}))
     assert "BLOCK_M" not in negatives_tiles, "the negatives kernel's row blocks are the forward's (their ranges)"
     row_programs = cdiv(num_x, config["BLOCK_M"])

@@ -11,8 +11,8 @@ maxneg, LP, LN) that the backward reuses:
   rescaled online whenever a larger exponent appears. In the self case it reads the anchors in label
   order and skips the block's positive range, so every column it meets is a negative of the whole
   block and its tiles carry no labels. `symmetric_negatives_kernel` does the self case's pass on
-  half the tiles, each summed for its rows and its columns (a tile-table option that no shipped
-  entry takes yet: the benchmark's triton-symmetric measures it);
+  half the tiles, each summed for its rows and its columns (a tile-table option, which float32 on
+  sm_90 takes: launcher.tile_config);
 - `finish_kernel`: the column splits combined in a fixed order, then S over the positive range again
   for the sum over the mined positives (their mining needs the final maxneg) and, in the self case,
   the range's own negatives -> LP, LN and the loss.

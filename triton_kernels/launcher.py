@@ -137,7 +137,13 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
       what an H100's tensor cores need, so that product runs at about 1.4x its flops' time, still
       less than the S it saves; shorter chunks take whole rows.
     float32 tiles run on TF32 tensor cores, three products a tile at torch's default float32 matmul
-    precision (`float32_precision`); those tiles are not tuned yet.
+    precision (`float32_precision`); those tiles are not tuned yet. There, on sm_90, the self case's
+    negatives pass takes half of them (NEGATIVES_TILES' SYMMETRIC: forward_kernels'
+    symmetric_negatives_kernel, each tile of S summed for its rows and its columns): a 128 x 128 tile's
+    three TF32 products take about 24,600 cycles of an H100 multiprocessor's tensor cores at their
+    peak, and its instructions for both ends issue in about a third of that, so halving the products
+    about halves the pass (bench/providers.py's triton-unsymmetric times the shipped pass's full
+    walk). Triton 3.6 spills that kernel on sm_100, which keeps the full walk.
     The backward entry's CHUNK_BYTES picks the backward's form: 0, the fused grad_kernel; else the
     chunked form at that budget of pair weights (`chunk_budget`).
     Rows are padded to a multiple of 16 elements first (operands.plan_operands): unaligned rows
@@ -150,6 +156,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
         config = _SHIPPED_TILE_CONFIG("forward", dtype, dim, interpret, capability)
         if dtype != torch.float32 and not interpret:
             config.update(BLOCK_N=64, BLOCK_K=min(config["BLOCK_K"], 32), num_stages=4)
+        config.pop("NEGATIVES_TILES", None)  # (the forward's alone)
         config["TRIANGLE_ROWS"] = config["BLOCK_M"] if interpret else 1024
         config["MIRROR"] = True
         config["TRIANGLE_TILES"] = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4)
@@ -177,6 +184,8 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     config["BLOCK_K"] = min(config["BLOCK_K"], padded & -padded)
     if kind == "forward":
         config.pop("BLOCK_D", None)
+        if precision == "tf32x3" and capability[0] == 9 and not interpret:
+            config["NEGATIVES_TILES"] = {"SYMMETRIC": True}
     else:
         config["BLOCK_D"] = min(config["BLOCK_D"], pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
