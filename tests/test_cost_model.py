@@ -183,17 +183,20 @@ def test_launches_fill_an_h100(batch, ref_rows):
     assert all(programs >= 2 * H100 for programs in walking.values()), cost["programs"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype, table", [(torch.float16, "triton-symmetric"), (torch.float32, "triton-symmetric"),
+                                          (torch.float32, "shipped")])
 @pytest.mark.parametrize("batch", [1024, 4096, 16384, 65536])
-def test_the_symmetric_negatives_pass_takes_half_the_tiles(monkeypatch, batch, dtype):
-    """The benchmark's triton-symmetric: its negatives pass computes each pair of row blocks once, B/128
-    (B/128 - 1) / 2 tiles where the shipped pass computes all (B/128)^2, with two programs a
-    multiprocessor where the distances allow (B = 1024: 8 blocks of 4 distances, 32 programs of one
-    tile); its partials take 3 floats an anchor per part and per distance. float32 (an H100's table:
-    128 x 64 tiles for the shipped pass) takes square tiles of its row blocks too."""
-    from triton_internals import symmetric_tiles
+def test_the_symmetric_negatives_pass_takes_half_the_tiles(monkeypatch, batch, dtype, table):
+    """The symmetric negatives pass (the benchmark's triton-symmetric; float32's on an H100 as shipped)
+    computes each pair of row blocks once, B/128 (B/128 - 1) / 2 tiles where the full pass computes all
+    (B/128)^2, with two programs a multiprocessor where the distances allow (B = 1024: 8 blocks of 4
+    distances, 32 programs of one tile); its partials take 3 floats an anchor per part and per
+    distance. float32 (an H100's table: 128 x 64 tiles for the full pass) takes square tiles of its
+    row blocks too."""
+    from triton_internals import TABLES
 
-    monkeypatch.setattr(launcher, "tile_config", symmetric_tiles(launcher.tile_config))
+    if table != "shipped":
+        monkeypatch.setattr(launcher, "tile_config", TABLES[table](launcher.tile_config))
     x, labels = torch.zeros(batch, 512, dtype=dtype), torch.arange(batch) // 4
     _, _, forward = _forward_plan(x, labels, None, None, (2.0, 50.0, 0.5, 0.1, True, False))
     negatives, = (launch for launch in forward if launch.kernel.fn.__name__.endswith("negatives_kernel"))
