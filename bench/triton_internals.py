@@ -68,19 +68,25 @@ def within(step, context):
     return run
 
 
-def fp16x3_tiles(table=None):
-    """`table` (the shipped tile table unless given) with float32's S tiles as "fp16x3"."""
-    import torch
-
+def _amended(table, amend):
+    """`table` (the shipped tile table unless given) with each of its entries passed through
+    amend(entry, kind, dtype, dim, capability), which returns the entry to use."""
     from ms_loss_cuda.triton_kernels import launcher
 
     table = table or launcher.tile_config
 
-    def config(kind, dtype, *args, **kwargs):
-        entry = table(kind, dtype, *args, **kwargs)
-        return dict(entry, PRECISION="fp16x3") if dtype == torch.float32 else entry
+    def config(kind, dtype, dim, interpret=launcher.INTERPRETED, capability=(9, 0)):
+        return amend(table(kind, dtype, dim, interpret, capability), kind, dtype, dim, capability)
 
     return config
+
+
+def fp16x3_tiles(table=None):
+    """`table` (the shipped tile table unless given) with float32's S tiles as "fp16x3"."""
+    import torch
+
+    return _amended(table, lambda entry, kind, dtype, dim, capability:
+                    dict(entry, PRECISION="fp16x3") if dtype == torch.float32 else entry)
 
 
 WEIGHTS_COLUMN_TILES = 8  # triton-resident's weights programs: 8 column tiles of 32 a program
@@ -98,10 +104,7 @@ def resident_tiles(table=None):
 
     from ms_loss_cuda.triton_kernels import launcher
 
-    table = table or launcher.tile_config
-
-    def config(kind, dtype, dim, interpret=launcher.INTERPRETED, capability=(9, 0)):
-        entry = table(kind, dtype, dim, interpret, capability)
+    def amend(entry, kind, dtype, dim, capability):
         if kind not in ("forward", "weights") or dtype == torch.float32 or dim > 512 or \
                 not (9, 0) <= capability < (12, 0):
             return entry
@@ -111,7 +114,12 @@ def resident_tiles(table=None):
         resident.update(BLOCK_M=entry["BLOCK_M"], num_warps=8, COLUMN_TILES=WEIGHTS_COLUMN_TILES)
         return dict(entry, **resident, TRIANGLE_TILES=resident)
 
-    return config
+    return _amended(table, amend)
+
+
+def _negatives_pass(entry, symmetric):
+    """A forward entry with the self case's negatives pass symmetric or not (NEGATIVES_TILES' SYMMETRIC)."""
+    return dict(entry, NEGATIVES_TILES=dict(entry.get("NEGATIVES_TILES", {}), SYMMETRIC=symmetric))
 
 
 def symmetric_tiles(table=None):
@@ -120,48 +128,27 @@ def symmetric_tiles(table=None):
     blocks): where the forward's tiles are square (16-bit rows on a GPU, every dtype under the
     interpreter), and for float32 on sm_90 and sm_100, whose 128 x 128 tiles of TF32 products compile
     without spills (sm_80's and sm_120's, on mma.sync, spill)."""
-    from ms_loss_cuda.triton_kernels import launcher
-
-    table = table or launcher.tile_config
-
-    def config(kind, dtype, dim, interpret=launcher.INTERPRETED, capability=(9, 0)):
-        entry = table(kind, dtype, dim, interpret, capability)
+    def amend(entry, kind, dtype, dim, capability):
         if kind != "forward" or (entry["BLOCK_M"] != entry["BLOCK_N"] and not (9, 0) <= capability < (12, 0)):
             return entry
-        return dict(entry, NEGATIVES_TILES=dict(entry.get("NEGATIVES_TILES", {}), SYMMETRIC=True))
+        return _negatives_pass(entry, True)
 
-    return config
+    return _amended(table, amend)
 
 
 def unsymmetric_tiles(table=None):
     """`table` (the shipped tile table unless given) with the self case's negatives pass on every tile of S
     (triton-unsymmetric: forward_kernels.negatives_kernel, where float32 on sm_90 ships the symmetric
     pass)."""
-    from ms_loss_cuda.triton_kernels import launcher
-
-    table = table or launcher.tile_config
-
-    def config(kind, *args, **kwargs):
-        entry = table(kind, *args, **kwargs)
-        if kind != "forward" or "NEGATIVES_TILES" not in entry:
-            return entry
-        return dict(entry, NEGATIVES_TILES=dict(entry["NEGATIVES_TILES"], SYMMETRIC=False))
-
-    return config
+    return _amended(table, lambda entry, kind, dtype, dim, capability:
+                    _negatives_pass(entry, False) if kind == "forward" else entry)
 
 
 def unmirrored_tiles(table=None):
     """`table` (the shipped tile table unless given) with the chunked backward's weights computing every
     tile of each chunk's square (triton-unmirrored)."""
-    from ms_loss_cuda.triton_kernels import launcher
-
-    table = table or launcher.tile_config
-
-    def config(kind, *args, **kwargs):
-        entry = table(kind, *args, **kwargs)
-        return dict(entry, MIRROR=False) if kind == "weights" else entry
-
-    return config
+    return _amended(table, lambda entry, kind, dtype, dim, capability:
+                    dict(entry, MIRROR=False) if kind == "weights" else entry)
 
 
 # the providers that stand a table in for the shipped one
