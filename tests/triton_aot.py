@@ -102,21 +102,7 @@ def launches(dtype_name, dim, mining, skip, cc):
             if not isinstance(launch, Launch) or (launch.kernel.fn.__name__ in PLAN_ROW_KERNELS
                                                   and dim not in ROW_KERNEL_DIMS):
                 continue
-            c = launch.constexprs
-            name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
-            name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
-            name += "[half_lift]" if c.get("HALF_LIFT") else ""
-            name += "[uniform]" if c.get("UNIFORM") else ""
-            name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},both_lifts={c['BOTH_LIFTS']},copy={c['COPY']}]"
-            name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
-            name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
-            name += "[label_order]" if c.get("LABEL_ORDER") else ""
-            name += "[mirror]" if c.get("MIRROR") else ""
-            name += "[range_tiles]" if c.get("RANGE_TILES") else ""
-            name += "[ref_scales]" if c.get("REF_SCALES") or c.get("B_SCALES") else ""
-            name += "[split]" if c.get("SPLIT") else ""
-            name += "[undivided]" if c.get("DIVIDE") is False else ""
-            found.setdefault(name, launch)  # (the launches the cases share are compiled once)
+            found.setdefault(launch_name(launch), launch)  # (the launches the cases share are compiled once)
     if dtype_name in ("float16", "float32") and dim == DIMS[-1]:
         # the self case's negatives pass of the benchmark's triton-symmetric (none for float32 on sm_80 and
         # sm_120: symmetric_tiles says why) and triton-unsymmetric (where the shipped table is symmetric)
@@ -125,11 +111,28 @@ def launches(dtype_name, dim, mining, skip, cc):
                 *_, forward = forward_plan(x, labels, i, None, None, None, *hyper, interpret=False,
                                            capability=divmod(cc, 10))
             for launch in forward:
-                if launch.kernel.fn.__name__ == "symmetric_negatives_kernel":
-                    found[f"symmetric_negatives_kernel[check_ids={i is not None}]"] = launch
-                elif launch.kernel.fn.__name__ == "negatives_kernel":
-                    found.setdefault(f"negatives_kernel[check_ids={i is not None}][skip_range=True]", launch)
+                if launch.kernel.fn.__name__.endswith("negatives_kernel"):
+                    found.setdefault(launch_name(launch), launch)
     return found
+
+
+def launch_name(launch):
+    """The kernel's name and the constexprs that make its variants, as the records name a launch."""
+    c = launch.constexprs
+    name = launch.kernel.fn.__name__ + ("" if "A_ANCHORS" not in c else f"[rows={c['A_ANCHORS']},cols={c['B_ANCHORS']}]")
+    name += "" if "COLUMN_LIFT" not in c else f"[column_lift={c['COLUMN_LIFT']}]"
+    name += "[half_lift]" if c.get("HALF_LIFT") else ""
+    name += "[uniform]" if c.get("UNIFORM") else ""
+    name += "" if "w_ptr" not in launch.args else f"[cols={c['B_ANCHORS']},both_lifts={c['BOTH_LIFTS']},copy={c['COPY']}]"
+    name += "" if "CHECK_IDS" not in c else f"[check_ids={c['CHECK_IDS']}]"
+    name += "" if "SKIP_RANGE" not in c else f"[skip_range={c['SKIP_RANGE']}]"
+    name += "[label_order]" if c.get("LABEL_ORDER") else ""
+    name += "[mirror]" if c.get("MIRROR") else ""
+    name += "[range_tiles]" if c.get("RANGE_TILES") else ""
+    name += "[ref_scales]" if c.get("REF_SCALES") or c.get("B_SCALES") else ""
+    name += "[split]" if c.get("SPLIT") else ""
+    name += "[undivided]" if c.get("DIVIDE") is False else ""
+    return name
 
 
 def signature(launch):
