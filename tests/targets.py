@@ -73,6 +73,21 @@ def in_turn(values, *axes):
 REDUCTIONS = ["mean", "sum", "none"]
 
 
+def recorded_launches(monkeypatch):
+    """The Triton launches run after this, in order (each still runs): launcher.Launch objects, with their
+    kernel, grid, args and constexprs."""
+    from ms_loss_cuda.triton_kernels import launcher
+
+    launches, run = [], launcher.Launch.__call__
+
+    def record(launch, *args):
+        launches.append(launch)
+        return run(launch, *args)
+
+    monkeypatch.setattr(launcher.Launch, "__call__", record)
+    return launches
+
+
 def gpu_tile_table(monkeypatch, capability):
     """The kernels on the tile table a GPU of `capability` gets (launcher.tile_config with interpret
     False), under the interpreter."""

@@ -78,19 +78,17 @@ def test_fp16x3_tiles_on_the_symmetric_pass(monkeypatch, reduction):
     its rows and its columns, against the float64 reference."""
     import triton_internals
     from conftest import check_against_reference
-    from ms_loss_cuda.triton_kernels import launcher
-    from targets import DEVICE, gpu_tile_table, triton_kernels
+    from targets import DEVICE, gpu_tile_table, recorded_launches, triton_kernels
 
     if triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED:
         pytest.skip("runs an H100's tiles under the interpreter (on a GPU the benchmark runs them)")
     gpu_tile_table(monkeypatch, (9, 0))
     x, labels, _, _ = make_inputs(300, 24)
-    names, launched = [], launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (
-        names.append((launch.kernel.fn.__name__, launch.constexprs.get("PRECISION"))), launched(launch, *args))[1])
+    launches = recorded_launches(monkeypatch)
     with triton_internals.tiles(triton_internals.fp16x3_tiles()):
         check_against_reference("triton", dict(embeddings=x, labels=labels), torch.float32, reduction, device=DEVICE,
                                 rtol=1e-5)
+    names = [(launch.kernel.fn.__name__, launch.constexprs.get("PRECISION")) for launch in launches]
     assert ("symmetric_negatives_kernel", "fp16x3") in names, names
 
 
@@ -109,7 +107,7 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
     import triton_internals
     from conftest import assert_close, build_case, check_against_reference, loss_and_grads, to
     from ms_loss_cuda.triton_kernels import launcher
-    from targets import DEVICE, TRITON_MISSING
+    from targets import DEVICE, TRITON_MISSING, recorded_launches
 
     if TRITON_MISSING["condition"]:
         pytest.skip(TRITON_MISSING["reason"])
@@ -124,9 +122,7 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
             return torch.full_like(loss, 0.7)
 
         shipped = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, ref_grad, reduction="sum")
-    launches, launched = [], launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (
-        launches.append((launch.kernel.fn.__name__, dict(launch.constexprs))), launched(launch, *args))[1])
+    recorded = recorded_launches(monkeypatch)
     # (the triangle from any chunk height: a GPU's table takes it from 1024 rows, the interpreter's from a block)
     with triton_internals.tiles(launcher.with_triangle_rows(1, triton_internals.resident_tiles())):
         if dtype == torch.float16:
@@ -136,6 +132,7 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
             assert_close(loss, shipped[0], 1e-2)
             for g, expected in zip(grads, shipped[1]):
                 assert_close(g, expected, 1e-2)
+    launches = [(launch.kernel.fn.__name__, launch.constexprs) for launch in recorded]
     negatives = [c for name, c in launches if name == "negatives_kernel"]
     weights = [c for name, c in launches if name == "weights_kernel" and not c["RANGE_TILES"]]
     assert negatives and all(c["RESIDENT_D"] == 64 for c in negatives)
@@ -173,7 +170,7 @@ def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multipr
     import triton_internals
     from conftest import assert_close, build_case, check_against_reference, loss_and_grads, make_batch, to
     from ms_loss_cuda.triton_kernels import launcher
-    from targets import DEVICE, TRITON_MISSING
+    from targets import DEVICE, TRITON_MISSING, recorded_launches
 
     if TRITON_MISSING["condition"]:
         pytest.skip(TRITON_MISSING["reason"])
@@ -203,9 +200,7 @@ def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multipr
 
     if dtype == torch.float16:
         shipped = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, **options)
-    launches, launched = [], launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (
-        launches.append((launch.kernel.fn.__name__, launch.grid, dict(launch.constexprs))), launched(launch, *args))[1])
+    recorded = recorded_launches(monkeypatch)
     with triton_internals.tiles(triton_internals.symmetric_tiles()):
         if dtype == torch.float32:
             check_against_reference("triton", kwargs, dtype, device=DEVICE, **options)
@@ -213,6 +208,7 @@ def test_symmetric_negatives_give_the_reference_loss(monkeypatch, batch, multipr
             loss, grads = loss_and_grads(to(kwargs, DEVICE), "triton", grad_output, **options)
             assert_close(loss, shipped[0], 1e-3)  # (float16 losses: a 32-bit difference may round one ulp apart)
             assert_close(grads[0], shipped[1][0], 1e-3)
+    launches = [(launch.kernel.fn.__name__, launch.grid, launch.constexprs) for launch in recorded]
     (grid, constexprs), = [(grid, c) for name, grid, c in launches if name.endswith("negatives_kernel")]
     assert [name for name, *_ in launches].count("symmetric_negatives_kernel") == 1, launches
     assert constexprs["CHECK_IDS"] == (case in ("shared_ids", "self_ids"))
@@ -224,18 +220,17 @@ def test_symmetric_negatives_keep_the_shipped_pass_past_their_memory(monkeypatch
     """A batch whose symmetric partials would pass SYMMETRIC_PARTIALS_BYTES takes negatives_kernel."""
     import triton_internals
     from conftest import build_case, check_against_reference
-    from ms_loss_cuda.triton_kernels import forward, launcher
-    from targets import DEVICE, TRITON_MISSING
+    from ms_loss_cuda.triton_kernels import forward
+    from targets import DEVICE, TRITON_MISSING, recorded_launches
 
     if TRITON_MISSING["condition"]:
         pytest.skip(TRITON_MISSING["reason"])
     monkeypatch.setattr(forward, "SYMMETRIC_PARTIALS_BYTES", 3 * 4 * 300 * 3)  # (300 rows: 4 slots needed)
-    names, launched = [], launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch, *args: (names.append(launch.kernel.fn.__name__),
-                                                                            launched(launch, *args))[1])
+    launches = recorded_launches(monkeypatch)
     with triton_internals.tiles(triton_internals.symmetric_tiles()):
         check_against_reference("triton", build_case("self", 300, 24, torch.float16), torch.float16, "none",
                                 device=DEVICE)
+    names = [launch.kernel.fn.__name__ for launch in launches]
     assert "negatives_kernel" in names and "symmetric_negatives_kernel" not in names
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_case, check_against_reference, make_batch
-from targets import DEVICE, TOLERANCE, chunk_choices, gpu_tile_table, triton_kernels
+from targets import DEVICE, TOLERANCE, chunk_choices, gpu_tile_table, recorded_launches, triton_kernels
 
 pytestmark = pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
                                 reason="runs a GPU's tiles under the interpreter (on a GPU the parity suites do)")
@@ -59,13 +59,8 @@ CASES = [
 @pytest.mark.parametrize("form,capability,dtype,chunk_rows,case,reduction,mining", CASES)
 def test_mirrored_squares_match_the_reference(monkeypatch, form, capability, dtype, chunk_rows, case, reduction,
                                               mining):
-    from ms_loss_cuda.triton_kernels import launcher
-
     chosen = _chunked(monkeypatch, form, capability, dtype, chunk_rows)
-    weights, shipped_launch = [], launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch: (
-        weights.append(launch.constexprs) if launch.kernel.fn.__name__ == "weights_kernel" else None,
-        shipped_launch(launch)))
+    launches = recorded_launches(monkeypatch)
     x, labels = _batch()
     kwargs = dict(embeddings=x, labels=labels)
     if case != "self":  # the caller's identities: distinct, or shared by rows of different labels
@@ -82,6 +77,7 @@ def test_mirrored_squares_match_the_reference(monkeypatch, form, capability, dty
                             beta=10.0, base=0.2, normalize=not unit)
     (chunks, triangle), = chosen
     assert triangle == (form == "triangle") and any(end - begin >= 2 * 64 for (begin, end), _ in chunks), chunks
+    weights = [launch.constexprs for launch in launches if launch.kernel.fn.__name__ == "weights_kernel"]
     assert any(c["MIRROR"] for c in weights) and all(c["SPLIT"] == (dtype == torch.float32) for c in weights)
 
 

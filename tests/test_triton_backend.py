@@ -16,7 +16,7 @@ from ms_loss_cuda.common import unit_rows
 from conftest import (assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
                       make_batch, threshold_crossing, to)
 from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, gpu_tile_table,
-                     in_turn, triton_kernels)
+                     in_turn, recorded_launches, triton_kernels)
 
 if triton_kernels is not None:
     from ms_loss_cuda.triton_kernels import launcher, op, operands, row_kernels
@@ -46,11 +46,10 @@ def test_a_chunk_of_more_row_blocks_than_a_grid_axis_holds_takes_a_launch_per_pi
 
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
     monkeypatch.setattr(backward, "MOST_GRID_Y", 1)
-    grids, shipped = [], launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda launch: (
-        grids.append(launch.grid) if launch.kernel.fn.__name__ == "weights_kernel" else None, shipped(launch)))
+    launches = recorded_launches(monkeypatch)
     check_against_reference("triton", build_case("ref_ids", 150, 40, torch.float32, seed=2), torch.float32, "sum",
                             device=DEVICE)
+    grids = [launch.grid for launch in launches if launch.kernel.fn.__name__ == "weights_kernel"]
     assert len(grids) > 2 and all(grid[1] == 1 for grid in grids)
 
 
@@ -187,17 +186,14 @@ def test_the_eager_loss_issues_its_backward_in_its_forward(monkeypatch):
     gradient as the backward of "none" weighted alike, twice alike under retain_graph (the kept
     gradient is not scaled in place). Without a gradient to take (no_grad, inputs that take none),
     or for "none", the forward launches the forward's kernels only."""
-    kernels = []
-    shipped = launcher.Launch.__call__
-    monkeypatch.setattr(launcher.Launch, "__call__",
-                        lambda launch: (kernels.append(launch.kernel.fn.__name__), shipped(launch)))
+    launches = recorded_launches(monkeypatch)
     kwargs = to(build_case("self", 45, 16, torch.float32, seed=4), DEVICE)
     x = kwargs["embeddings"].requires_grad_()
 
     def forward_kernels(x, reduction):
-        kernels.clear()
+        launches.clear()
         loss = multi_similarity_loss(x, kwargs["labels"], reduction=reduction, backend="triton")
-        return loss, set(kernels)
+        return loss, {launch.kernel.fn.__name__ for launch in launches}
 
     loss, launched = forward_kernels(x, "mean")
     assert "scales_kernel" in launched and "unit_rows_grad_kernel" in launched
