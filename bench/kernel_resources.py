@@ -21,33 +21,26 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import triton_aot  # noqa: E402  (the dispatcher's launches and Triton's launch-time specialisation)
 
 # the tests' targets, and the T4 (below Triton's supported 8.0; the triton backend refuses it)
-ARCHITECTURES = {**triton_aot.TARGETS, 75: "sm_75"}
+ARCHITECTURES = (*triton_aot.TARGETS, 75)
 
 
 def resources(launch, cc):
-    sig, attrs = triton_aot.signature(launch)
-    compiled = triton.compile(ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs), attrs=attrs),
-                              target=GPUTarget("cuda", cc, 32),
-                              options=launch.options)
-    ptxas = get_ptxas(cc).path
+    """(registers, spill stores in bytes, SASS instructions, HGMMA instructions) of `launch` on sm_cc."""
+    compiled, log = triton_aot.compiled_with_report(launch, cc)
+    nvdisasm = os.path.join(os.path.dirname(get_ptxas(cc).path), "nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run([ptxas, "-v", f"-arch={ARCHITECTURES[cc]}", ptx, "-o", ptx + ".cubin"],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", ptx + ".cubin"],
-                              capture_output=True, text=True, check=True).stdout
-    number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     instructions = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+    number = lambda pattern: triton_aot.ptxas_number(log, pattern)  # noqa: E731
     return (number(r"Used (\d+) registers"), number(r"(\d+) bytes spill stores"), instructions,
             len(re.findall(r"\bHGMMA\b", sass)))
 

@@ -126,10 +126,10 @@ def symmetric_tiles(table=None):
     """`table` (the shipped tile table unless given) with the self case's negatives pass on half the tiles
     (triton-symmetric: forward_kernels.symmetric_negatives_kernel, on square tiles of the forward's row
     blocks): where the forward's tiles are square (16-bit rows on a GPU, every dtype under the
-    interpreter), and for float32 on sm_90 and sm_100, whose 128 x 128 tiles of TF32 products compile
-    without spills (sm_80's and sm_120's, on mma.sync, spill)."""
+    interpreter), and for float32 on sm_90, whose 128 x 128 tiles of TF32 products compile without
+    spills (and where the shipped table takes it; sm_80's, sm_100's and sm_120's spill)."""
     def amend(entry, kind, dtype, dim, capability):
-        if kind != "forward" or (entry["BLOCK_M"] != entry["BLOCK_N"] and not (9, 0) <= capability < (12, 0)):
+        if kind != "forward" or (entry["BLOCK_M"] != entry["BLOCK_N"] and capability[0] != 9):
             return entry
         return _negatives_pass(entry, True)
 

@@ -169,15 +169,16 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     if interpret:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_D=128, num_warps=4, num_stages=1)
     elif dtype == torch.float32:  # (TF32 tensor cores; not tuned yet: 16-bit shapes, half the K depth)
-        # the three products of "tf32x3" hold more operands: narrower column blocks with mma.sync, and in the
-        # fused backward, beside its 512-wide accumulator, 16 columns, where 32 spill
+        # the three products of "tf32x3" hold more operands: narrower column blocks with mma.sync; the fused
+        # backward takes 16 columns beside its 512-wide accumulator, where 32 spill (three products, or
+        # one at D = 130 on sm_90)
         wide = (9, 0) <= capability < (12, 0)  # (wgmma and tcgen05; sm_80 and sm_120 take mma.sync)
         config = (dict(BLOCK_M=128, BLOCK_N=64 if wide else 32, BLOCK_K=32, num_warps=8, num_stages=3)
                   if kind == "forward" else
-                  dict(BLOCK_M=32, BLOCK_N=32 if precision == "tf32" else 16, BLOCK_K=32, BLOCK_D=512, num_warps=8,
-                       num_stages=2))
-    elif kind == "forward":
-        config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+                  dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_D=512, num_warps=8, num_stages=2))
+    elif kind == "forward":  # (sm_120's mma.sync tiles spill at K steps of 64, sm_80's do not)
+        config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32 if capability >= (12, 0) else 64, num_warps=8,
+                      num_stages=3)
     else:
         config = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_D=512, num_warps=8, num_stages=3 if dim > 256 else 2)
     padded = dim + (-dim % 16)  # (the padded rows) K steps that divide it: no step over zero padding
