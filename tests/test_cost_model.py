@@ -57,10 +57,15 @@ def plan_cost(launches, num_x, num_ref, dim):
             continue
         if "w_ptr" in args:  # weights_kernel: one tile a program, but those a mirrored square leaves out
             tiles = grid[0] * grid[1]
-            if c["MIRROR"]:  # (the tiles of the chunk's square wholly left of their rows' diagonal block)
-                first_rows = args["row_begin"] + c["BLOCK_M"] * torch.arange(grid[1])[:, None]
-                first_cols = args["col_begin"] + c["BLOCK_N"] * torch.arange(grid[0])[None, :]
-                tiles -= int(((first_cols >= args["row_begin"]) & (first_cols + c["BLOCK_N"] <= first_rows)).sum())
+            if c["MIRROR"]:  # the chunk's tiles but those of its square wholly left of their rows' diagonal block
+                row_blocks = cdiv(args["row_end"] - args["row_begin"], c["BLOCK_M"])
+                first_rows = args["row_begin"] + c["BLOCK_M"] * torch.arange(row_blocks)[:, None]
+                first_cols = args["col_begin"] + c["BLOCK_N"] * torch.arange(
+                    cdiv(args["col_end"] - args["col_begin"], c["BLOCK_N"]))[None, :]
+                left = (first_cols >= args["row_begin"]) & (first_cols + c["BLOCK_N"] <= first_rows)
+                tiles = left.numel() - int(left.sum())
+                # (a program for each, its grid's rows folded: an odd count of row blocks repeats half a row)
+                assert tiles <= grid[0] * grid[1] <= tiles + (grid[0] if row_blocks % 2 else 0), (tiles, grid)
             programs[name] = min(programs[name], tiles)
             flops += s_tile * tiles
             continue

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import launcher
-from .backward_kernels import grad_kernel, scales_kernel, weights_kernel
+from .backward_kernels import grad_kernel, mirrored_grid, scales_kernel, weights_kernel
 from .launcher import INTERPRETED, Launch, cdiv
 from .operands import (block_ranges, check_beta, check_dtypes, check_ref_norms, column_splits, plan_operands,
                        saved_label_order, shared_identities)
@@ -421,8 +421,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
                         row_end=end)
             # (identities: the range launch's; with a bank's scales, the registers capped where two programs
             # share a multiprocessor, which a Hopper program fits without spilling; 255 is PTX's most)
-            steps.append(Launch(weights_kernel, (cdiv(cols, tiles["BLOCK_N"] * tiles["COLUMN_TILES"]),
-                                                 cdiv(end - begin, tiles["BLOCK_M"])),
+            grid = (mirrored_grid(end - begin, cols, begin - col_begin, tiles["BLOCK_M"], tiles["BLOCK_N"])
+                    if tiles["MIRROR"] else
+                    (cdiv(cols, tiles["BLOCK_N"] * tiles["COLUMN_TILES"]), cdiv(end - begin, tiles["BLOCK_M"])))
+            steps.append(Launch(weights_kernel, grid,
                                 part, dict(tiles, RANGE_TILES=False, CHECK_IDS=False), warps, stages,
                                 min(TWO_PROGRAMS_REGISTERS // (32 * warps), 255) if tiles["B_SCALES"] else None))
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights

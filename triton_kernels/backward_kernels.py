@@ -233,6 +233,37 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                 tl.store(mirror_at, tl.trans((h * mirror_lift).to(w_ptr.dtype.element_ty)), mask=mirror_ok)
 
 
+def mirrored_grid(rows, cols, row_offset, block_m, block_n):
+    """The grid of weights_kernel's MIRROR launch for a chunk of `rows` rows and `cols` columns whose
+    square starts `row_offset` columns in: row block i computes every column block but the
+    i * block_m / block_n of the square left of its diagonal block, so row blocks i and n - 1 - i
+    (n of them) together compute a fixed number of tiles, 2 c - (n - 1) block_m / block_n for c column
+    blocks, and each pair takes one row of the grid of that length (an odd n's middle block pairs with
+    itself: its row's second half ends at once)."""
+    row_blocks, column_blocks = -(-rows // block_m), -(-cols // block_n)
+    assert row_offset % block_n == 0 and block_m % block_n == 0
+    assert column_blocks >= row_offset // block_n + (row_blocks - 1) * block_m // block_n, "the square within the chunk"
+    return 2 * column_blocks - (row_blocks - 1) * (block_m // block_n), -(-row_blocks // 2)
+
+
+@triton.jit
+def _unfolded(row_begin, row_end, col_begin, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row block, column block, whether it computes a tile) of a MIRROR program (`mirrored_grid`): grid
+    row r holds row block r's column blocks, then those of row block n - 1 - r, each row block's
+    without the square's blocks left of its diagonal block; the middle row block of an odd n comes
+    once, from the row's first half."""
+    ratio = BLOCK_M // BLOCK_N
+    row_blocks = tl.cdiv(row_end - row_begin, BLOCK_M)
+    first = tl.program_id(1)
+    count = tl.cdiv(col_end - col_begin, BLOCK_N) - first * ratio  # (the column blocks row block `first` computes)
+    second = tl.program_id(0) >= count
+    row_block = tl.where(second, row_blocks - 1 - first, first)
+    local = tl.where(second, tl.program_id(0) - count, tl.program_id(0))
+    square = (row_begin - col_begin) // BLOCK_N  # (the column blocks left of the square)
+    column_block = tl.where(local < square, local, local + row_block * ratio)
+    return row_block, column_block, (row_block != first) | (tl.program_id(0) < count)
+
+
 @triton.jit
 def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr, scale_ptr,
                    row_scale_ptr, range_ptr, shared_ids_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, row_begin,
@@ -264,10 +295,15 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     MIRROR (self case; one tile a program, BLOCK_M a multiple of BLOCK_N, the chunk's rows starting on
     a row block): H is symmetric, so within the chunk's own square, the columns [row_begin, row_end),
     a tile wholly right of its rows' diagonal block is computed once for both places, storing its
-    transpose too, and a tile wholly left of it ends at once: the square costs about half of its
+    transpose too, and a tile wholly left of it is not computed: the square costs about half of its
     tiles. (A tile that meets the diagonal block is computed as it is; with BLOCK_M a multiple of
-    BLOCK_N the pairs of a tile left of it are exactly the transposes of pairs in tiles right of it.)"""
-    rows = row_begin + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    BLOCK_N the pairs of a tile left of it are exactly the transposes of pairs in tiles right of it.)
+    The grid has a program for each computed tile alone, its row blocks folded in pairs (`_unfolded`,
+    `mirrored_grid`)."""
+    row_block, column_block, computed = tl.program_id(1), tl.program_id(0), True
+    if MIRROR:
+        row_block, column_block, computed = _unfolded(row_begin, row_end, col_begin, col_end, BLOCK_M, BLOCK_N)
+    rows = row_begin + row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if RANGE_TILES:  # (whole tiles: the columns past the range's end get their weights again, classified)
         block = row_begin // BLOCK_M + tl.program_id(1)
@@ -284,13 +320,11 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, B_SCALES, BLOCK_M, BLOCK_N,
                           BLOCK_K, UPCAST, PRECISION, SPLIT)
     elif COLUMN_TILES == 1:  # (no loop for one tile: the shipped launches compile as they did before the loop)
-        cols = col_begin + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        computed, mirrored = True, False
-        if MIRROR:  # the chunk's own square: right of the diagonal block, once for both places; left, none
-            first_row, first_col = row_begin + tl.program_id(1) * BLOCK_M, col_begin + tl.program_id(0) * BLOCK_N
-            outside = (first_col < row_begin) | (first_col >= row_end)
+        cols = col_begin + column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        mirrored = False
+        if MIRROR:  # the chunk's own square: right of the diagonal block, once for both places
+            first_row, first_col = row_begin + row_block * BLOCK_M, col_begin + column_block * BLOCK_N
             mirrored = (first_col >= first_row + BLOCK_M) & (first_col < row_end)  # (columns from row_begin on)
-            computed = outside | (first_col + BLOCK_N > first_row)
         if computed:
             _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
                           scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
