@@ -64,8 +64,7 @@ def plan_cost(launches, num_x, num_ref, dim):
                     cdiv(args["col_end"] - args["col_begin"], c["BLOCK_N"]))[None, :]
                 left = (first_cols >= args["row_begin"]) & (first_cols + c["BLOCK_N"] <= first_rows)
                 tiles = left.numel() - int(left.sum())
-                # (a program for each, its grid's rows folded: an odd count of row blocks repeats half a row)
-                assert tiles <= grid[0] * grid[1] <= tiles + (grid[0] if row_blocks % 2 else 0), (tiles, grid)
+                assert launch.grid == (tiles, 1), (tiles, launch.grid)  # (a program for each)
             programs[name] = min(programs[name], tiles)
             flops += s_tile * tiles
             continue

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from unittest import mock
 
@@ -176,7 +177,7 @@ def compiled_with_report(launch, cc):
     """(`launch` compiled by Triton for compute capability cc, the `ptxas -v` report of its cubin). The
     report is that of Triton's own ptxas run, with its flags (line info, register allocation level), and
     is kept in Triton's cache entry beside the cubin, so that a cached kernel is not assembled again; a
-    kernel cached without a report is compiled again."""
+    kernel cached without a report is compiled again in a scratch cache (Triton's may be read-only)."""
     sig, attrs = signature(launch)
     compile = functools.partial(triton.compile, ASTSource(launch.kernel, sig, constexprs=dict(launch.constexprs),
                                                           attrs=attrs),
@@ -186,17 +187,27 @@ def compiled_with_report(launch, cc):
         compiled = compile()
         cache = get_cache_manager(compiled.hash)
         kept = cache.get_file(PTXAS_REPORT)
-        if kept is None and not printed.getvalue():
-            with knobs.compilation.scope():
-                knobs.compilation.always_compile = True
-                compiled = compile()
-    report = printed.getvalue()
-    if report:
-        cache.put(report, PTXAS_REPORT, binary=False)
-    else:
-        with open(kept) as f:
-            report = f.read()
+        if kept is not None:
+            with open(kept) as f:
+                kept = _report(f.read())
+        if kept is None and _report(printed.getvalue()) is None:
+            with knobs.cache.scope(), tempfile.TemporaryDirectory() as scratch:
+                knobs.cache.dir = scratch
+                compile()
+    report = kept or _report(printed.getvalue())
+    if report is None:
+        raise RuntimeError(f"Triton printed no ptxas report for {launch_name(launch)} on sm_{cc}")
+    if kept is None:
+        try:
+            cache.put(report, PTXAS_REPORT, binary=False)
+        except OSError:  # (a read-only cache: the next run compiles it again)
+            pass
     return compiled, report
+
+
+def _report(text):
+    """`text` if it holds a ptxas -v report (a kernel's registers), else None."""
+    return text if re.search(r"Used \d+ registers", text) else None
 
 
 def ptxas_number(report, pattern):

@@ -235,33 +235,32 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
 
 def mirrored_grid(rows, cols, row_offset, block_m, block_n):
     """The grid of weights_kernel's MIRROR launch for a chunk of `rows` rows and `cols` columns whose
-    square starts `row_offset` columns in: row block i computes every column block but the
-    i * block_m / block_n of the square left of its diagonal block, so row blocks i and n - 1 - i
-    (n of them) together compute a fixed number of tiles, 2 c - (n - 1) block_m / block_n for c column
-    blocks, and each pair takes one row of the grid of that length (an odd n's middle block pairs with
-    itself: its row's second half ends at once)."""
+    square starts `row_offset` columns in: one program a computed tile (`_unfolded`). Row block i
+    (of n) computes every column block (c of them) but the i * block_m / block_n of the square left of
+    its diagonal block, so row blocks i and n - 1 - i together compute w = 2 c - (n - 1) block_m /
+    block_n tiles, and an odd n's middle block w / 2: n w / 2 in all."""
     row_blocks, column_blocks = -(-rows // block_m), -(-cols // block_n)
     assert row_offset % block_n == 0 and block_m % block_n == 0
     assert column_blocks >= row_offset // block_n + (row_blocks - 1) * block_m // block_n, "the square within the chunk"
-    return 2 * column_blocks - (row_blocks - 1) * (block_m // block_n), -(-row_blocks // 2)
+    return (row_blocks * (2 * column_blocks - (row_blocks - 1) * (block_m // block_n)) // 2, 1)
 
 
 @triton.jit
 def _unfolded(row_begin, row_end, col_begin, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(row block, column block, whether it computes a tile) of a MIRROR program (`mirrored_grid`): grid
-    row r holds row block r's column blocks, then those of row block n - 1 - r, each row block's
-    without the square's blocks left of its diagonal block; the middle row block of an odd n comes
-    once, from the row's first half."""
+    """(row block, column block) of a MIRROR program (`mirrored_grid`): the programs in runs of w, run r
+    (from 0) row block r's column blocks, then those of row block n - 1 - r, each row block's without
+    the square's blocks left of its diagonal block (an odd n's middle block: half a run, alone)."""
     ratio = BLOCK_M // BLOCK_N
+    columns = tl.cdiv(col_end - col_begin, BLOCK_N)
     row_blocks = tl.cdiv(row_end - row_begin, BLOCK_M)
-    first = tl.program_id(1)
-    count = tl.cdiv(col_end - col_begin, BLOCK_N) - first * ratio  # (the column blocks row block `first` computes)
-    second = tl.program_id(0) >= count
+    run = 2 * columns - (row_blocks - 1) * ratio
+    first, at = tl.program_id(0) // run, tl.program_id(0) % run
+    count = columns - first * ratio  # (the column blocks row block `first` computes)
+    second = at >= count
     row_block = tl.where(second, row_blocks - 1 - first, first)
-    local = tl.where(second, tl.program_id(0) - count, tl.program_id(0))
+    local = tl.where(second, at - count, at)
     square = (row_begin - col_begin) // BLOCK_N  # (the column blocks left of the square)
-    column_block = tl.where(local < square, local, local + row_block * ratio)
-    return row_block, column_block, (row_block != first) | (tl.program_id(0) < count)
+    return row_block, tl.where(local < square, local, local + row_block * ratio)
 
 
 @triton.jit
@@ -279,7 +278,8 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     row's (row_scale[rows]), and with BOTH_LIFTS each column's too (the self case's triangle, where a weight
     enters a product from either side: backward_plan). COPY (a reference set that takes a gradient): H times
     the reference rows' one lift (copy_scale) too, to copy_ptr at the same place, for dref. Grid: (column
-    blocks, row blocks): CUDA allows 65535 on the second, and backward_plan splits a chunk of more rows.
+    blocks, row blocks) but with MIRROR: CUDA allows 65535 on the second, and backward_plan splits a
+    chunk of more rows.
     LABEL_ORDER (self case, in label order): every pair is taken as a negative, with no labels (about two
     thirds of the instructions of a classifying tile); the columns of each row block's positive range,
     which hold its positives, are rewritten afterwards by a RANGE_TILES launch of smaller tiles, whose
@@ -298,11 +298,10 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     transpose too, and a tile wholly left of it is not computed: the square costs about half of its
     tiles. (A tile that meets the diagonal block is computed as it is; with BLOCK_M a multiple of
     BLOCK_N the pairs of a tile left of it are exactly the transposes of pairs in tiles right of it.)
-    The grid has a program for each computed tile alone, its row blocks folded in pairs (`_unfolded`,
-    `mirrored_grid`)."""
-    row_block, column_block, computed = tl.program_id(1), tl.program_id(0), True
+    Its grid is one-dimensional, a program for each computed tile alone (`mirrored_grid`)."""
+    row_block, column_block = tl.program_id(1), tl.program_id(0)
     if MIRROR:
-        row_block, column_block, computed = _unfolded(row_begin, row_end, col_begin, col_end, BLOCK_M, BLOCK_N)
+        row_block, column_block = _unfolded(row_begin, row_end, col_begin, col_end, BLOCK_M, BLOCK_N)
     rows = row_begin + row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if RANGE_TILES:  # (whole tiles: the columns past the range's end get their weights again, classified)
@@ -325,12 +324,11 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
         if MIRROR:  # the chunk's own square: right of the diagonal block, once for both places
             first_row, first_col = row_begin + row_block * BLOCK_M, col_begin + column_block * BLOCK_N
             mirrored = (first_col >= first_row + BLOCK_M) & (first_col < row_end)  # (columns from row_begin on)
-        if computed:
-            _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
-                          scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
-                          row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
-                          MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M,
-                          BLOCK_N, BLOCK_K, UPCAST, PRECISION, SPLIT, None, 0, MIRROR, mirrored, row_end)
+        _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, stats_ptr,
+                      scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok, row_begin,
+                      cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING,
+                      SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                      UPCAST, PRECISION, SPLIT, None, 0, MIRROR, mirrored, row_end)
     else:
         a_rows = None
         if RESIDENT_D:
