@@ -186,15 +186,13 @@ def compiled_with_report(launch, cc):
         knobs.nvidia.dump_ptxas_log = True  # (printed, as Triton runs ptxas)
         compiled = compile()
         cache = get_cache_manager(compiled.hash)
-        kept = cache.get_file(PTXAS_REPORT)
-        if kept is not None:
-            with open(kept) as f:
-                kept = _report(f.read())
-        if kept is None and _report(printed.getvalue()) is None:
+        kept = _kept_report(cache)
+        report = kept or _report(printed.getvalue())
+        if report is None:
             with knobs.cache.scope(), tempfile.TemporaryDirectory() as scratch:
                 knobs.cache.dir = scratch
                 compile()
-    report = kept or _report(printed.getvalue())
+            report = _report(printed.getvalue())
     if report is None:
         raise RuntimeError(f"Triton printed no ptxas report for {launch_name(launch)} on sm_{cc}")
     if kept is None:
@@ -203,6 +201,15 @@ def compiled_with_report(launch, cc):
         except OSError:  # (a read-only cache: the next run compiles it again)
             pass
     return compiled, report
+
+
+def _kept_report(cache):
+    """The report kept in a Triton cache entry (`PTXAS_REPORT`); None where there is none, or no report."""
+    path = cache.get_file(PTXAS_REPORT)
+    if path is None:
+        return None
+    with open(path) as f:
+        return _report(f.read())
 
 
 def _report(text):
