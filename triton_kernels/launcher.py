@@ -143,7 +143,7 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
     three TF32 products take about 24,600 cycles of an H100 multiprocessor's tensor cores at their
     peak, and its instructions for both ends issue in about a third of that, so halving the products
     about halves the pass (bench/providers.py's triton-unsymmetric times the shipped pass's full
-    walk). Triton 3.6 spills that kernel on sm_100, which keeps the full walk.
+    walk). Triton 3.6 and 3.9 both spill that kernel on sm_100, which keeps the full walk.
     The backward entry's CHUNK_BYTES picks the backward's form: 0, the fused grad_kernel; else the
     chunked form at that budget of pair weights (`chunk_budget`).
     Rows are padded to a multiple of 16 elements first (operands.plan_operands): unaligned rows
