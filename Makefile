@@ -1,6 +1,6 @@
 # The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark;
 # `make train-demo`: a few minutes of training on CPU; `make experiment`: the kanji batch-size
-# experiment, tens of minutes; `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a GPU).
+# experiment, about an hour; `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a GPU).
 # Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
 PYTHON ?= python3
 VENV   ?= .venv

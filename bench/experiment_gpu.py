@@ -98,8 +98,6 @@ def main(args):
         args.steps = 100
     args.extra = ["--amp", "bf16", "--kanji-train-instances", str(TRAIN_INSTANCES), "--eval-batch", "4096",
                   *args.extra]
-    if args.out == "bench/results/experiment/fixed-steps":
-        args.out = "bench/results/experiment-gpu"
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
     unknown = sorted(set(args.settings or ()) - set(SETTINGS))

@@ -2,8 +2,7 @@
 # The GPU check, for a machine with a GPU, a CUDA build of torch, triton and nvcc:
 #   bench/gpu_check.sh DIR [STEP ...]      (make gpu-check DIR=...)
 # Default steps, in order: build (the CUDA kernels, for this GPU's architecture), accuracy, bench, host,
-# kernels; on an H100 all but the build took 5.6 minutes, the tests step 1.5 more
-# (bench/results/gpu/h100/gpu-check-env.txt). Steps:
+# kernels, sized for 8 minutes on an H100 after the build (each run's times: DIR/summary.txt). Steps:
 #   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
 #     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
 #     and bfloat16; then float32 with triton-fp16x3's S tiles (accuracy-variants.txt); then rows of norm 30

@@ -48,7 +48,7 @@ EQUAL_IMAGES = {
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--protocol", choices=("fixed-steps", "equal-images"), default="fixed-steps")
-    parser.add_argument("--out", default="bench/results/experiment/fixed-steps")
+    parser.add_argument("--out", help="default: bench/results/experiment/PROTOCOL, on cuda bench/results/experiment-gpu")
     parser.add_argument("--data", default="bench/results/experiment/data", help="the kanji render cache")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--steps", type=int, default=300, help="fixed-steps: the steps of every setting")
@@ -77,6 +77,9 @@ def main():
 
             text += "\n" + append_loss_table(done["loss"], done["info"]["device"], out)
         return print(text)
+    if args.out is None:
+        args.out = ("bench/results/experiment-gpu" if args.device == "cuda" else
+                    os.path.join("bench/results/experiment", args.protocol))
     if args.device == "cuda":
         from experiment_gpu import main as gpu_main
 

@@ -6,7 +6,8 @@ tests/triton_aot.py checks every launch for spills with the Triton the project p
     python bench/kernel_resources.py --cc 75 --kernels minpos negatives finish grad  (T4: why Triton needs 8.0)
                                      [--tiles 128,64,64,8,3 ...]
     python bench/kernel_resources.py --dtype float32 --precision fp16x3   (float32's S tiles as float16 products)
-    python bench/kernel_resources.py --resident --kernels negatives   (triton-resident's negatives kernel)
+    python bench/kernel_resources.py --table triton-resident --kernels negatives   (a benchmark provider's
+                                     tile table: triton-resident, -unmirrored, ...; bench/triton_internals.py)
     python bench/kernel_resources.py --kernels symmetric   (triton-symmetric's negatives pass, which
                                                             tests/triton_aot.py plans beside the shipped ones)
 --rows: the batch the launches are planned for (a B that is not a multiple of 16 loses Triton's
@@ -25,6 +26,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import triton_aot  # noqa: E402  (the dispatcher's launches and Triton's launch-time specialisation)
+import triton_internals  # noqa: E402  (bench/, this module's folder: the benchmark providers' tile tables)
 
 # the tests' targets, and the T4 (below Triton's supported 8.0; the triton backend refuses it)
 ARCHITECTURES = (*triton_aot.TARGETS, 75)
@@ -55,20 +57,19 @@ def main():
                         help="name prefixes")
     parser.add_argument("--precision", help="the launches' PRECISION instead of the shipped one (fp16x3: float32's"
                                             " S tiles as float16 products, bench/triton_internals.py)")
-    parser.add_argument("--resident", action="store_true",
-                        help="the tile table of triton-resident (bench/triton_internals.py: resident_tiles)")
+    parser.add_argument("--table", choices=sorted(triton_internals.TABLES),
+                        help="the tile table of this benchmark provider (bench/triton_internals.py)")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages, each besides the shipped tiles")
     args = parser.parse_args()
     triton_aot.ROWS = args.rows
-    if args.resident:
+    if args.table:
         from ms_loss_cuda.triton_kernels import launcher
-        from triton_internals import resident_tiles  # (bench/, this module's folder)
 
-        launcher.tile_config = resident_tiles()
+        launcher.tile_config = triton_internals.TABLES[args.table]()
     print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on"
           + ("" if args.rows == 4096 else f", B = {args.rows}")
-          + (f", PRECISION {args.precision}" if args.precision else "") + (", triton-resident's tiles" * args.resident))
+          + (f", PRECISION {args.precision}" if args.precision else "") + (f", {args.table}'s tiles" if args.table else ""))
     for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
         if not name.startswith(tuple(args.kernels)):
             continue
