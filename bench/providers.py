@@ -44,7 +44,7 @@ DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
 PROVIDER_HELP = {
     "floor": "X @ X.T (X @ R.T with a bank) forward+backward alone: the GEMM work no exact method avoids",
-    "matmul4": "four X @ X.T products, no backward: the GPU yardstick (a fused step does four GEMM-equivalents)",
+    "matmul4": "four X @ X.T products, no backward: the GPU yardstick (an unfused dense step's products)",
     "reference": "ms_loss_cuda's dense PyTorch backend (the B x R matrix in memory)",
     "cpu": "ms_loss_cuda's fused C++ backend (no B x R matrix)",
     "triton": "ms_loss_cuda's Triton backend (on a GPU its chunked backward: 256 MiB of pair weights at a time)",
@@ -134,19 +134,13 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
     if provider.startswith("triton"):  # the shipped backward, the fused one or another budget (triton-tuned: its own)
         budget = "0" if provider == "triton-fused" else BUDGETS.get(provider)
         step = with_settings(step, budget, provider != "triton-direct")
-        if provider == "triton-tuned":
-            from triton_internals import tiles, within  # (bench/, this module's folder)
+        if provider in ("triton-tuned", "triton-unsplit", "triton-fp16x3") + RESIDENT + SELF_CASE:
+            import triton_internals as internals  # (bench/, this module's folder)
 
-            return within(step, lambda: tiles(tuned))
-        if provider in RESIDENT + SELF_CASE + ("triton-fp16x3",):
-            from triton_internals import TABLES, tiles, within
-
-            table = TABLES[provider]()
-            return within(step, lambda: tiles(table))
-        if provider == "triton-unsplit":
-            from triton_internals import unsplit_products, within
-
-            return within(step, unsplit_products)
+            if provider == "triton-unsplit":
+                return internals.within(step, internals.unsplit_products)
+            table = tuned if provider == "triton-tuned" else internals.TABLES[provider]()
+            return internals.within(step, lambda: internals.tiles(table))
     return step
 
 

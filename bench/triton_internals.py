@@ -5,9 +5,9 @@ chunked backward's choice of products, for triton-unsplit.
 
 triton-resident asks whether the forward's negatives kernel and the chunked backward's weights are
 bound by the operand bytes their tiles read from L2: both read about 6.5 TB/s of operands in the
-last H100 profile, 16 and 32 bytes a pair. Nsight Compute put an earlier build of the negatives
-kernel at 37% of L2's peak, and an earlier variant that read all of D in one block gained nothing
-(docs/triton.md, "Operand traffic of the negatives pass"), so a small gain would not surprise. With
+profiled H100 step, 16 and 32 bytes a pair. Nsight Compute put the negatives kernel at 37% of L2's
+peak, and a variant that read all of D in one block gained nothing (docs/triton.md, "Operand
+traffic of the negatives pass"), so a small gain would not surprise. With
 the rows resident a tile reads only its 32 columns, 8 bytes a pair; a weights program, which holds
 one tile, walks several.
 
@@ -25,7 +25,7 @@ own square. The shipped weights kernel computes a tile of the square right of it
 block once and stores it at both places, and skips the tiles left of it (MIRROR, weights_kernel), so
 a batch that fits one chunk (B = 4096) computes about half of S, where triton-unmirrored computes
 all of it, and the triangle (B = 16384) half instead of three quarters. The mirrored tiles' stores
-are transposed, through shared memory, and their programs hold more registers (sm_90: 176 against
+are transposed, through shared memory, and their programs hold more registers (sm_90: 173 against
 159 on whole rows); how the two weigh against the halved products is what it measures.
 
 triton-fp16x3 asks whether the float32 S tiles should take float16 tensor cores. Their shipped form,

@@ -16,6 +16,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels take
 REDUCTIONS = ("mean", "sum", "none")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # (its smallest normal number)
 # the hyper-parameters every backend takes, in the order of the fused ops' schema (csrc/ms_loss_schema.h)
 HYPER_PARAMETERS = ("alpha", "beta", "base", "epsilon", "mining", "skip_incomplete_anchors")
 
@@ -84,10 +85,14 @@ def _check_key_dtypes(name, t, ref_name, ref):
 
 def check_hyper_parameters(alpha, beta, base, epsilon, reduction):
     # (comparisons written out rather than a table of rules: this runs at every call)
-    # Finite in float32, where every dtype but float64 computes: a larger one would be inf there.
-    for name, value, positive in (("alpha", alpha, True), ("beta", beta, True), ("epsilon", epsilon, False)):
-        if not ((value > 0 if positive else value >= 0) and value <= _FLOAT32_MAX):
-            raise ValueError(f"{name} must be {'>' if positive else '>='} 0 and finite in float32, got {value}")
+    # Finite in float32, where every dtype but float64 computes: a larger one would be inf there; alpha
+    # and beta at least float32's smallest normal number, where a smaller one would be 0 (or lose its
+    # precision) and 1 / alpha or 1 / beta infinite, which an empty set's term of 0 would turn into NaN.
+    for name, value, smallest in (("alpha", alpha, _FLOAT32_TINY), ("beta", beta, _FLOAT32_TINY),
+                                  ("epsilon", epsilon, 0.0)):
+        if not (value >= smallest and value <= _FLOAT32_MAX):
+            raise ValueError(f"{name} must be " + ("at least float32's smallest normal number (1.2e-38)"
+                                                    if smallest else ">= 0") + f" and finite in float32, got {value}")
     if not abs(base) <= _FLOAT32_MAX:
         raise ValueError(f"base must be finite in float32, got {base}")
     if max(alpha, beta) * (1 + abs(base)) > _FLOAT32_MAX:  # (the exponents of unit rows, |S| <= 1)
@@ -216,10 +221,11 @@ class Backend:
     dtypes = FLOAT_DTYPES  # the embeddings' dtypes it takes
 
     def unavailable_reason(self, device, dtype=None):
-        """Why this backend cannot run on `device` with embeddings of `dtype` (None: any), or None."""
+        """Why this backend cannot run on `device` with embeddings of `dtype` (None: any; with a reference
+        set, the dtype both ends promote to), or None."""
         if dtype is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"it takes {names} embeddings, got {dtype}"
+            return f"it takes {names} embeddings, got {dtype} (with ref_embeddings: the dtype both ends promote to)"
         return None
 
     def unit_rows(self, t):

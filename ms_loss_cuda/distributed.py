@@ -98,7 +98,7 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
         term = memory.memory_term(x, labels, ids, rows, all_labels, all_ids, reduction="none")
         own = own if term is None else own + memory.weight * term.to(compute).sum()
     if reduction == "mean":
-        own = own / total
+        own = own / max(total, 1)  # (an empty global batch: 0, as the single-process mean of no anchors)
     value = own.detach().clone()
     dist.all_reduce(value)
     world = dist.get_world_size()

@@ -139,9 +139,10 @@ def _is_one_integer(value):
 
 def recall_at_k(embeddings, labels, ks=(1, 10, 100, 1000), *, gallery=None, gallery_labels=None, use_faiss=None):
     """{k: fraction of queries with at least one row of their label among their k nearest}."""
-    ks = sorted(set(int(k) for k in ((ks,) if _is_one_integer(ks) else ks)))
-    if not ks or ks[0] < 1:
-        raise ValueError(f"ks must hold at least one k, each at least 1, got {ks}")
+    given = (ks,) if _is_one_integer(ks) or not hasattr(ks, "__iter__") else tuple(ks)
+    if not given or not all(_is_one_integer(k) and not isinstance(k, bool) and k >= 1 for k in given):
+        raise ValueError(f"ks must hold at least one k, each an integer at least 1, got {ks}")
+    ks = sorted(set(operator.index(k) for k in given))
     found = torch.zeros(len(ks), dtype=torch.int64)
     for query_labels, near in _neighbour_labels(embeddings, labels, gallery, gallery_labels, ks[-1], use_faiss):
         first_hit = torch.where((near == query_labels[:, None]).any(dim=1),

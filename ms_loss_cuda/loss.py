@@ -70,8 +70,9 @@ def _loss(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids, masks, o
     check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids)
     options = checked_options(options, reduction)
     normalize = checked_flag("normalize", normalize)
-    chosen = backends.resolve(backend, embeddings.device, embeddings.dtype) if masks is None else \
-        backends.GivenPairs(masks)
+    # (both ends compute in their common dtype: a float64 reference set makes a float64 call)
+    dtype = embeddings.dtype if ref_embeddings is None else torch.promote_types(embeddings.dtype, ref_embeddings.dtype)
+    chosen = backends.resolve(backend, embeddings.device, dtype) if masks is None else backends.GivenPairs(masks)
     return chosen.loss(embeddings, labels, ids, ref_embeddings, ref_labels, ref_ids, options, normalize, reduction)
 
 

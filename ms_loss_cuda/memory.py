@@ -87,17 +87,20 @@ class CrossBatchMemory(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        saved = state_dict.get(prefix + "embeddings")
+        # checked before anything is loaded, so that a refused memory leaves this one as it was (the rows
+        # never stored are zeros, which pass; a module on the meta device reads no rows)
+        if self.normalize and isinstance(saved, torch.Tensor) and not (saved.is_meta or self.embeddings.is_meta):
+            problem = self._longer_than_unit(saved)
+            if problem:
+                error_msgs.append(problem)  # (load_state_dict raises them together)
+                return
         # the memory takes the saved rows' dtype (as a step takes the batch's), so that loading never
         # rounds them: a float64 memory into the float32 buffer of a new module, say
-        saved = state_dict.get(prefix + "embeddings")
         if isinstance(saved, torch.Tensor) and saved.dtype != self.embeddings.dtype:
             self.embeddings = self.embeddings.to(saved.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if self.normalize and isinstance(saved, torch.Tensor) and self.filled and not self.embeddings.is_meta:
-            problem = self._longer_than_unit(self.embeddings[:self.filled])
-            if problem:
-                error_msgs.append(problem)  # (load_state_dict raises them together)
 
     @staticmethod
     def _longer_than_unit(rows):
@@ -171,14 +174,18 @@ class CrossBatchMemory(torch.nn.Module):
         """The ring's next `batch` slots, a view of a tensor made once per batch size and device."""
         ring = getattr(self, "_ring", None)
         if ring is None or ring.shape[0] != self.size + batch or ring.device != self.embeddings.device:
-            ring = self._ring = torch.arange(self.size + batch, device=self.embeddings.device) % self.size
+            with torch.inference_mode(False):  # (kept for later steps: see _place)
+                ring = self._ring = torch.arange(self.size + batch, device=self.embeddings.device) % self.size
         return ring[self.position:self.position + batch]
 
     def _place(self, x):
-        """The buffers on x's device, the embeddings in its dtype (moved on first use)."""
+        """The buffers on x's device, the embeddings in its dtype (moved on first use). Made as normal
+        tensors even under torch.inference_mode (an evaluation's first call), whose tensors later steps
+        could not update in place."""
         if self.embeddings.device != x.device or self.embeddings.dtype != x.dtype:
-            self.embeddings = self.embeddings.to(x.device, x.dtype)
-            self.labels, self.ids = self.labels.to(x.device), self.ids.to(x.device)
+            with torch.inference_mode(False):
+                self.embeddings = self.embeddings.to(x.device, x.dtype)
+                self.labels, self.ids = self.labels.to(x.device), self.ids.to(x.device)
 
     @torch.no_grad()
     def _enqueue(self, x, labels, ids):

@@ -31,7 +31,9 @@ def call(x=None, labels=None, **kwargs):
      "ids and ref_ids must be given together"),
     (dict(alpha=0.0), "alpha"), (dict(alpha=-1.0), "alpha"), (dict(beta=0.0), "beta"), (dict(epsilon=-0.1), "epsilon"),
     (dict(alpha=math.nan), "alpha"), (dict(base=math.inf), "base"),
-    (dict(alpha=1e39), "alpha must be > 0 and finite in float32"), (dict(base=-1e39), "base"),
+    (dict(alpha=1e39), "alpha must be at least float32's smallest normal number .* and finite in float32"),
+    (dict(alpha=1e-50), "alpha must be at least float32's smallest normal"), (dict(beta=1e-39), "beta"),
+    (dict(base=-1e39), "base"),
     (dict(beta=1e38, base=-9.0), r"alpha and beta times \(1 \+ \|base\|\)"),
     (dict(x=torch.randn(8, 0), labels=torch.zeros(8, dtype=torch.long)), r"at least one column.*\(8, 0\)"),
     (dict(reduction="max"), "reduction"), (dict(backend="gpu"), "backend"),
@@ -163,6 +165,26 @@ def test_available_backends_and_explicit_requests():
         if backend not in available_backends():
             with pytest.raises(RuntimeError, match=f"backend '{backend}' cannot run: .+"):
                 multi_similarity_loss(x, labels, backend=backend)
+
+
+def test_no_fused_gpu_backend_is_listed_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert available_backends("cuda") == ["reference"]
+
+
+def test_a_reference_set_of_another_dtype_picks_the_backend_of_their_common_dtype():
+    """float32 anchors against a float64 reference set compute in float64: a backend that takes no float64
+    is refused for the pair, naming the promoted dtype (on a GPU "auto" then takes the reference)."""
+    x, labels = make_batch(12, 4, 3, dtype=torch.float32)
+    ref, ref_labels = make_batch(9, 4, 3, dtype=torch.float64, seed=1)
+    expected = multi_similarity_loss(x.double(), labels, ref_embeddings=ref, ref_labels=ref_labels,
+                                     backend="reference")
+    got = multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected.float())
+    with pytest.raises(RuntimeError, match="backend 'triton' cannot run: .*got torch.float64 .*promote"):
+        multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend="triton")
 
 
 def test_a_missing_part_of_the_package_is_told_from_a_missing_dependency():

@@ -141,3 +141,17 @@ def test_two_processes_equal_one(config, two_process_results):
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         distributed.multi_similarity_loss(torch.randn(4, 3), torch.arange(4))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_an_empty_global_batch_gives_zero(tmp_path, reduction):
+    """One process (a group of one, in this process) with no anchors: 0 and a zero gradient, as the
+    single-process loss of an empty batch, not the 0 / 0 of a mean over no anchors."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        x = torch.randn(0, 4, requires_grad=True)
+        loss = distributed.multi_similarity_loss(x, torch.zeros(0, dtype=torch.long), reduction=reduction)
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert loss.item() == 0 and x.grad.shape == (0, 4)

@@ -99,8 +99,8 @@ def test_bad_input():
             evaluation.recall_at_k(x, labels, ks=(2,), use_faiss=False)
     with pytest.raises(ValueError, match="gallery D"):
         evaluation.recall_at_k(x, labels, ks=(1,), gallery=torch.randn(5, 3), gallery_labels=torch.arange(5))
-    for ks in ((), (0, 1)):
-        with pytest.raises(ValueError, match="ks must hold at least one k, each at least 1"):
+    for ks in ((), (0, 1), (1.5, 2.9), (1, True), 2.0):  # (no k, k = 0, k that is not an integer)
+        with pytest.raises(ValueError, match="ks must hold at least one k, each an integer at least 1"):
             evaluation.recall_at_k(x, labels, ks=ks, use_faiss=False)
     for function in (evaluation.recall_at_k, evaluation.map_at_r):
         with pytest.raises(ValueError, match="at least one row"):

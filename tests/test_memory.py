@@ -162,8 +162,10 @@ def test_a_normalising_memory_refuses_rows_longer_than_unit():
     for x, labels, ids in data:
         plain(x * 3, labels, ids)
         unit(x, labels, ids)
+    refusing = CrossBatchMemory(16, 5, backend="reference")
     with pytest.raises(RuntimeError, match="12 rows longer than unit length"):
-        CrossBatchMemory(16, 5, backend="reference").load_state_dict(plain.state_dict())
+        refusing.load_state_dict(plain.state_dict())
+    assert refusing.filled == refusing.calls == 0 and not refusing.embeddings.any()  # (nothing of it loaded)
     CrossBatchMemory(16, 5, normalize=False, backend="reference").load_state_dict(plain.state_dict())
     rounded = dict(unit.state_dict(), embeddings=unit.embeddings.bfloat16())
     resumed = CrossBatchMemory(16, 5, backend="reference")
@@ -173,6 +175,22 @@ def test_a_normalising_memory_refuses_rows_longer_than_unit():
     CrossBatchMemory(16, 5, backend="reference").load_state_dict(tiny)
     with torch.device("meta"):  # (a module built on the meta device loads without reading the rows)
         CrossBatchMemory(16, 5, backend="reference").load_state_dict(plain.state_dict())
+
+
+def test_a_memory_first_placed_under_inference_mode_trains_after():
+    """A first call under torch.inference_mode (an evaluation before training) that moves the buffers to
+    the batch's dtype leaves them normal tensors, which the training steps after it update in place."""
+    data = list(batches(3, 6, 5, samples=30, classes=4, seed=5))
+    memory, by_hand = (CrossBatchMemory(16, 5, backend="reference") for _ in range(2))
+    x, labels, ids = data[0]
+    with torch.inference_mode():
+        memory(x.double(), labels, ids)
+    by_hand(x.double(), labels, ids)
+    for x, labels, ids in data[1:]:
+        x = x.double().requires_grad_()
+        loss = memory(x, labels, ids)
+        loss.backward()
+        assert torch.equal(loss.detach(), by_hand(x.detach(), labels, ids))
 
 
 def test_batch_larger_than_the_memory_keeps_its_last_rows():

@@ -63,7 +63,7 @@ def test_crossbatchmemory_steps_multiply_as_float16_pieces(monkeypatch):
 def test_float32_products_stay_float32_where_pieces_do_not_apply(monkeypatch, how):
     """Rows left unnormalised (their magnitude is the caller's: float16 pieces could overflow), TF32
     allowed (cuBLAS's TF32 product is as precise as asked), and float16 sums allowed in cuBLAS (which
-    then refuses float32 results of float16 products): float32 weights and products, as before."""
+    then refuses float32 results of float16 products): float32 weights and products."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0.05")
     seen = product_dtypes(monkeypatch)
     x, labels = make_batch(150, 40, 25, dtype=torch.float32, seed=5)

@@ -27,10 +27,12 @@ class TritonBackend(Backend):
             return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
         if device.type not in ("cpu", "cuda"):
             return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"it takes CUDA tensors on a visible GPU, got {device} where torch sees none"
         # Triton's supported GPUs; compiled for sm_75 its 16-bit kernels have no tensor-core instructions
         # and spill (bench/kernel_resources.py --cc 75). (Asked at every call: the capability is the
         # launcher's, queried once a device.)
-        if device.type == "cuda" and torch.cuda.is_available():
+        if device.type == "cuda":
             capability = launcher.device_capability(device)
             if capability < (8, 0):
                 return f"it needs a GPU of compute capability 8.0 or newer (as Triton does), got {capability}"

@@ -125,10 +125,10 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
       3 stages (2 for D <= 256, where 3 spill on sm_80); on sm_90 the column anchors' statistics are
       loaded before S (EARLY_COLUMN_TERMS), which spills on sm_80;
     - weights (the chunked backward): the forward's tiles, narrowed to 128 x 64 with K steps of 32
-      and 4 stages (128 x 128 holds 248-255 registers, and the triangle's spills on sm_100; it is a
+      and 4 stages (128 x 128 holds 248-254 registers, and the triangle's spills on sm_100; it is a
       candidate of bench/tune_triton.py, not yet timed: docs/triton.md). TRIANGLE_TILES: the self
       case's triangle, whose weights also read the columns' lifts, on 64 x 64 tiles of 4 warps
-      (bench/results/gpu/tune-weights-float16.json). RANGE_TILES: the small single-stage tiles of
+      (bench/results/gpu/tune-weights-float16.json, swept on an H200). RANGE_TILES: the small single-stage tiles of
       the launch that rewrites each row block's positive range with classified weights.
       MIRROR: the self case's chunks compute the tiles of their own square right of the diagonal
       once for both places (weights_kernel). TRIANGLE_ROWS: the chunk height from which the self
@@ -216,7 +216,7 @@ DEFAULT_CHUNK_MIB = 256  # the chunked backward's budget where $MS_LOSS_TRITON_C
 def chunk_budget(interpret=INTERPRETED):
     """The chunked backward's budget of pair weights in bytes: $MS_LOSS_TRITON_CHUNK_MB (MiB, a
     fraction allowed; 0: the fused backward). Unset: DEFAULT_CHUNK_MIB on a GPU, where the sweep times
-    the chunked form 2.5-3.2x faster than the fused one (bench/results/gpu/tune-float16.json), and 0
+    the chunked form 2.4-3.2x faster than the fused one (bench/results/gpu/tune-float16.json), and 0
     under the interpreter, whose tests name the form they run. float16 keeps the fused backward under
     torch.backends.cuda.matmul.allow_fp16_accumulation, where cuBLAS refuses float32 results."""
     text = os.environ.get("MS_LOSS_TRITON_CHUNK_MB", "")

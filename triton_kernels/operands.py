@@ -76,11 +76,11 @@ def plan_operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     return x, ref, labels, ids, ref_labels, ref_ids
 
 
-def check_dtypes(*tensors):
+def check_dtypes(x, ref):
     """The plans take float32, float16 and bfloat16 rows."""
-    for t in tensors:
+    for name, t in (("embeddings", x), ("ref_embeddings", ref)):
         if t is not None and t.dtype not in GPU_DTYPES:
-            raise TypeError(f"the triton backend takes float32, float16 or bfloat16 embeddings, got {t.dtype} "
+            raise TypeError(f"the triton backend takes float32, float16 or bfloat16 rows, got {name} of {t.dtype} "
                             "(use backend='cpu' or 'reference' for float64)")
 
 

@@ -36,8 +36,9 @@ from . import launcher
 
 CAPACITY = 4  # graphs kept
 # Steps of more pairs are not captured: their GPU work hides the host's (on an H100, B = 65536 and a
-# 1024 x 1,048,576 bank gain nothing from replay: bench/results/gpu/h100/bench-float16.log, triton
-# against triton-graph), and their graphs would keep the most memory.
+# 1024 x 1,048,576 bank gain 3-7% from replay from an idle GPU and nothing back to back:
+# bench/results/gpu/h100/bench-float16.log, triton against triton-graph), and their graphs would keep
+# the most memory.
 MOST_PAIRS = 2**29
 _SEEN = 16  # signatures remembered from their first call
 # Once this many graphs were dropped for others, signatures not kept run as they are: a workload
