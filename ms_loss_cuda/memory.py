@@ -42,7 +42,8 @@ class CrossBatchMemory(torch.nn.Module):
     are kept as int64 (uint64 ones are refused). The memory term
     needs no gradient for the memory: the fused backends then skip that half of the backward. On the
     triton backend an eager step whose gradient is taken is one call (`Backend.memory_loss`): the
-    store and both terms, replayed as one CUDA graph once the memory is full.
+    store and both terms, replayed as one CUDA graph once the memory is full. Inside a torch.compile'd
+    function the memory runs eagerly, a graph break (`fullgraph=True` needs it called outside).
 
     Two things follow from storing in place. Each step's backward runs before the next call: a
     backward taken over two calls at once (accumulating two micro-batches' losses) reads a memory
@@ -117,6 +118,10 @@ class CrossBatchMemory(torch.nn.Module):
                 f"normalises and compares them as normalised: a memory saved with normalize=False? Build this one "
                 f"with normalize=False, or drop the memory's entries from the state dict to start a new one")
 
+    # The ring's position, fill and call count are host integers that change at every step: a compiled
+    # graph would be specialised on them and recompiled at each step until torch.compile gives up. So the
+    # memory runs eagerly inside a compiled function (a graph break; the loss it calls is fused anyway).
+    @torch.compiler.disable
     def forward(self, embeddings, labels, ids):
         if ids is None:
             raise ValueError("CrossBatchMemory needs ids (one per sample, stable across steps): pairs of equal id "
@@ -136,6 +141,7 @@ class CrossBatchMemory(torch.nn.Module):
         term = self.memory_term(x, labels, ids, x, labels, ids)
         return loss if term is None else loss + self.weight * term
 
+    @torch.compiler.disable  # (as forward)
     def memory_term(self, x, labels, ids, rows, row_labels, row_ids, **loss_options):
         """Stores `rows` (detached; this batch, or the global batch of several processes), then returns
         the MS loss of the anchors `x` (normalised already when the memory normalises) against the

@@ -193,6 +193,25 @@ def test_a_memory_first_placed_under_inference_mode_trains_after():
         assert torch.equal(loss.detach(), by_hand(x.detach(), labels, ids))
 
 
+def test_a_compiled_step_with_a_memory_compiles_once():
+    """The ring's host integers change at every step: torch.compile of a step that calls the memory
+    compiles the rest of the step once (the memory runs eagerly, a graph break) and gives the eager
+    step's losses and gradients, warm-up calls included."""
+    torch._dynamo.reset()
+    data = list(batches(6, 6, 5, samples=30, classes=4, seed=6))
+    compiled_memory, eager_memory = (CrossBatchMemory(16, 5, warmup=2, backend="reference") for _ in range(2))
+    weight = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda x, labels, ids: compiled_memory(torch.tanh(x @ weight), labels, ids), backend="eager")
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    for x, labels, ids in data:
+        got = compiled(x, labels, ids)
+        (got_grad,) = torch.autograd.grad(got, weight)
+        expected = eager_memory(torch.tanh(x @ weight), labels, ids)
+        (expected_grad,) = torch.autograd.grad(expected, weight)
+        assert torch.equal(got, expected) and torch.equal(got_grad, expected_grad)
+    assert torch._dynamo.utils.counters["frames"]["total"] - frames <= 2  # (the graph before the break, and after)
+
+
 def test_batch_larger_than_the_memory_keeps_its_last_rows():
     memory = CrossBatchMemory(4, 3, backend="reference")
     x, labels, ids = next(batches(1, 10, 3, samples=10, classes=3))
