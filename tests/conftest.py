@@ -1,16 +1,18 @@
 """Shared test data (structured embeddings: classes whose mined sets are real subsets) and the
 check every fused backend passes: loss and gradients against the float64 reference."""
+import contextlib
 import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Without a GPU the Triton kernels run under the interpreter on CPU tensors; it must be chosen
 # before they are first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ms_loss_cuda import multi_similarity_loss  # noqa: E402
+from ms_loss_cuda import multi_similarity_loss, ops  # noqa: E402
 
 # rtol of the loss and of the gradients (relative to their largest entry) per input dtype
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -118,16 +120,28 @@ def to(kwargs, device, float_dtype=None):
 
 
 def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cpu", rtol=None, ref_grad=True,
-                            **options):
+                            ops_run=None, **options):
     """`backend` on `kwargs` (moved to `device`) against the float64 reference on CPU: loss and
     gradients with a grad_output other than 1, within TOLERANCE[dtype] (or rtol); without ref_grad
-    the reference set takes no gradient (a memory bank)."""
+    the reference set takes no gradient (a memory bank). And proof that the backend's own kernels
+    computed them (a fallback to the dense reference would pass the comparison): a forward and a
+    backward Triton kernel launched, or the fused forward and backward ops dispatched (`ops_run`, by
+    default the extension's)."""
     def grad_output(loss):  # not 1: a scalar 0.7, or a random vector for "none"
         gen = torch.Generator().manual_seed(11)
         out = torch.full(loss.shape, 0.7) if loss.dim() == 0 else torch.randn(loss.shape, generator=gen)
         return out.to(loss.device, loss.dtype)
 
-    loss, grads = loss_and_grads(to(kwargs, device), backend, grad_output, ref_grad, reduction=reduction, **options)
+    with _kernels_run(backend) as ran:
+        loss, grads = loss_and_grads(to(kwargs, device), backend, grad_output, ref_grad, reduction=reduction,
+                                     **options)
+    if backend == "triton":  # (a forward kernel, and a backward's: the fused or the chunked one)
+        assert "finish_kernel" in ran and ran & {"grad_kernel", "weights_kernel"}, sorted(ran)
+    elif backend in ("cpu", "cuda"):
+        forward, backward = ops_run or (ops.forward_op, ops.backward_op)
+        # (a backward on CUDA tensors runs on autograd's device thread, whose ops this may not see)
+        expected = {forward.name()} | ({backward.name()} if torch.device(device).type == "cpu" else set())
+        assert expected <= ran, (expected, sorted(ran))
     ref_loss, ref_grads = loss_and_grads(to(kwargs, "cpu", torch.float64), "reference", grad_output, ref_grad,
                                          reduction=reduction, **options)
     assert loss.dtype == dtype  # the embeddings' dtype, as torch's losses
@@ -138,6 +152,42 @@ def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cp
     for g, ref_g in zip(grads, ref_grads):
         assert_close(g, ref_g, rtol)
     return ref_loss, ref_grads
+
+
+@contextlib.contextmanager
+def _kernels_run(backend):
+    """The names of what ran inside the block: the Triton kernels launched (backend "triton"), or the ops
+    that went through torch's dispatcher."""
+    ran = set()
+    if backend != "triton":
+        with _OpNames(ran):
+            yield ran
+        return
+    from ms_loss_cuda.triton_kernels import launcher
+
+    run = launcher.Launch.__call__
+
+    def record(launch, *args):
+        ran.add(launch.kernel.fn.__name__)
+        return run(launch, *args)
+
+    launcher.Launch.__call__ = record
+    try:
+        yield ran
+    finally:
+        launcher.Launch.__call__ = run
+
+
+class _OpNames(TorchDispatchMode):
+    """Adds the name of every op dispatched inside it to `names`."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)

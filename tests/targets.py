@@ -54,8 +54,10 @@ TRITON_MISSING = dict(condition=triton_kernels is None or (DEVICE == "cpu" and n
 
 
 def check(target, kwargs, dtype, reduction="mean", rtol=None, **options):
+    # (cuda_emulated runs as backend="cpu": its own ops are the proof that it ran, not the CPU kernel's)
     return check_against_reference(target.backend, kwargs, dtype, reduction, device=target.device,
-                                   rtol=TOLERANCE[dtype] if rtol is None else rtol, **options)
+                                   rtol=TOLERANCE[dtype] if rtol is None else rtol,
+                                   ops_run=(target.forward, target.backward), **options)
 
 
 def in_turn(values, *axes):
