@@ -63,11 +63,17 @@ def test_hard_negatives_in_the_positive_range_and_skipped_identities(target, min
 
 
 # (several row blocks and D split over two programs together: test_matches_reference's 97 x 130)
-@pytest.mark.parametrize("batch,dim,mining",
-                         in_turn([True, False], [(1, 3), (2, 3), (2, 64), (37, 3), (37, 130), (97, 64), (300, 3)]))
-def test_sizes(target, batch, dim, mining):
+# (each size with one (mining, reduction) in turn: "none" gives each anchor its own grad_output, which
+# the fused backwards take on another path than the one value of "mean" and "sum")
+@pytest.mark.parametrize("batch,dim,mining_reduction",
+                         in_turn([(True, "none"), (False, "mean"), (True, "sum"), (False, "none"), (True, "mean"),
+                                  (False, "sum")],
+                                 [(1, 3), (2, 3), (2, 64), (37, 3), (37, 130), (97, 64), (300, 3)]))
+def test_sizes(target, batch, dim, mining_reduction):
+    mining, reduction = mining_reduction
     for case in ("self", "ref"):
-        check(target, build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, mining=mining)
+        check(target, build_case(case, batch, dim, torch.float32, seed=batch), torch.float32, reduction,
+              mining=mining)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
