@@ -2,6 +2,7 @@
 check every fused backend passes: loss and gradients against the float64 reference."""
 import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -154,10 +155,24 @@ def check_against_reference(backend, kwargs, dtype, reduction="mean", device="cp
     return ref_loss, ref_grads
 
 
+def launch_recorder(launches):
+    """A stand-in for launcher.Launch.__call__ that appends each Launch to `launches` and runs it (what
+    targets.recorded_launches and `_kernels_run` put in its place)."""
+    from ms_loss_cuda.triton_kernels import launcher
+
+    run = launcher.Launch.__call__
+
+    def record(launch, *args):
+        launches.append(launch)
+        return run(launch, *args)
+
+    return record
+
+
 @contextlib.contextmanager
 def _kernels_run(backend):
-    """The names of what ran inside the block: the Triton kernels launched (backend "triton"), or the ops
-    that went through torch's dispatcher."""
+    """The names of what ran inside the block, filled in as it ends: the Triton kernels launched (backend
+    "triton"), or the ops that went through torch's dispatcher."""
     ran = set()
     if backend != "triton":
         with _OpNames(ran):
@@ -165,17 +180,10 @@ def _kernels_run(backend):
         return
     from ms_loss_cuda.triton_kernels import launcher
 
-    run = launcher.Launch.__call__
-
-    def record(launch, *args):
-        ran.add(launch.kernel.fn.__name__)
-        return run(launch, *args)
-
-    launcher.Launch.__call__ = record
-    try:
+    launches = []
+    with mock.patch.object(launcher.Launch, "__call__", launch_recorder(launches)):
         yield ran
-    finally:
-        launcher.Launch.__call__ = run
+    ran.update(launch.kernel.fn.__name__ for launch in launches)
 
 
 class _OpNames(TorchDispatchMode):

@@ -23,7 +23,7 @@ from torch.utils import cpp_extension
 
 from ms_loss_cuda import backends, ops
 
-from conftest import check_against_reference
+from conftest import check_against_reference, launch_recorder
 
 try:
     import ms_loss_cuda.triton_kernels as triton_kernels
@@ -80,13 +80,8 @@ def recorded_launches(monkeypatch):
     kernel, grid, args and constexprs."""
     from ms_loss_cuda.triton_kernels import launcher
 
-    launches, run = [], launcher.Launch.__call__
-
-    def record(launch, *args):
-        launches.append(launch)
-        return run(launch, *args)
-
-    monkeypatch.setattr(launcher.Launch, "__call__", record)
+    launches = []
+    monkeypatch.setattr(launcher.Launch, "__call__", launch_recorder(launches))
     return launches
 
 

@@ -278,8 +278,8 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
     row's (row_scale[rows]), and with BOTH_LIFTS each column's too (the self case's triangle, where a weight
     enters a product from either side: backward_plan). COPY (a reference set that takes a gradient): H times
     the reference rows' one lift (copy_scale) too, to copy_ptr at the same place, for dref. Grid: (column
-    blocks, row blocks) but with MIRROR: CUDA allows 65535 on the second, and backward_plan splits a
-    chunk of more rows.
+    blocks, row blocks), one-dimensional with MIRROR; CUDA allows 65535 on the second axis, and
+    backward_plan splits a chunk of more rows.
     LABEL_ORDER (self case, in label order): every pair is taken as a negative, with no labels (about two
     thirds of the instructions of a classifying tile); the columns of each row block's positive range,
     which hold its positives, are rewritten afterwards by a RANGE_TILES launch of smaller tiles, whose
