@@ -19,14 +19,19 @@ from ms_loss_cuda import multi_similarity_loss, ops  # noqa: E402
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def make_batch(batch, dim, classes, *, dtype=torch.float64, seed=0, spread=1.0, labels_dtype=torch.int64):
-    """Embeddings drawn around class centres: positives are mostly close, some are hard, and some
-    negatives are hard, so mining keeps a proper subset of the pairs."""
+def _draw(batch, dim, classes, seed):
+    """Labels, each row's class centre and a unit-variance noise of each row (float64)."""
     gen = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, classes, (batch,), generator=gen)
     centres = torch.randn(classes, dim, generator=gen, dtype=torch.float64)
-    x = centres[labels] + spread * torch.randn(batch, dim, generator=gen, dtype=torch.float64)
-    return x.to(dtype), labels.to(labels_dtype)
+    return labels, centres[labels], torch.randn(batch, dim, generator=gen, dtype=torch.float64)
+
+
+def make_batch(batch, dim, classes, *, dtype=torch.float64, seed=0, spread=1.0, labels_dtype=torch.int64):
+    """Embeddings drawn around class centres: positives are mostly close, some are hard, and some
+    negatives are hard, so mining keeps a proper subset of the pairs."""
+    labels, centres, noise = _draw(batch, dim, classes, seed)
+    return (centres + spread * noise).to(dtype), labels.to(labels_dtype)
 
 
 def label_order_by_torch(keys, block_m):
@@ -61,13 +66,34 @@ def assert_close(actual, expected, rtol, floor=0.0):
 LOSS_FLOOR = 1e-2
 
 
+def _anchors_that_mine(x, labels, ref_x, ref_labels, epsilon=0.1):
+    """The share of x's rows whose mined sets against ref_x (x itself when None) are not empty."""
+    x = torch.nn.functional.normalize(x, dim=1)
+    s = x @ (x if ref_x is None else torch.nn.functional.normalize(ref_x, dim=1)).T
+    same = labels[:, None] == (labels if ref_x is None else ref_labels)[None]
+    pos = same.fill_diagonal_(False) if ref_x is None else same
+    minpos = torch.where(pos, s, torch.inf).amin(1, keepdim=True)
+    neg = labels[:, None] != (labels if ref_x is None else ref_labels)[None]
+    return (neg & (s + epsilon > minpos)).any(1).double().mean().item()
+
+
 def build_case(case, batch, dim, dtype, seed=0, labels_dtype=torch.int64):
-    """Keyword arguments of multi_similarity_loss for one kind of call."""
-    x, labels = make_batch(batch, dim, max(2, batch // 6), dtype=dtype, seed=seed, labels_dtype=labels_dtype)
+    """Keyword arguments of multi_similarity_loss for one kind of call: rows around batch // 6 class
+    centres (a reference set around the same centres, so that its rows of an anchor's class are
+    positives), spread so that about half of the anchors keep a proper subset of their pairs and the
+    others none."""
+    rows = batch + (batch // 2 + 3 if case.startswith("ref") else 0)
+    labels, centres, noise = _draw(rows, dim, max(2, batch // 6), seed)
+    low, high = -3.0, 3.0  # log2 of the spread, bisected on the share of anchors that mine
+    for _ in range(12):
+        middle = (low + high) / 2
+        x = centres + 2 ** middle * noise
+        split = (x[batch:], labels[batch:]) if rows > batch else (None, None)
+        low, high = (low, middle) if _anchors_that_mine(x[:batch], labels[:batch], *split) > 0.5 else (middle, high)
+    x, labels = (centres + 2 ** middle * noise).to(dtype), labels.to(labels_dtype)
+    x, other, labels, other_labels = x[:batch], x[batch:], labels[:batch], labels[batch:]
     kwargs = dict(embeddings=x, labels=labels)
     if case.startswith("ref"):
-        other, other_labels = make_batch(batch // 2 + 3, dim, max(2, batch // 6), dtype=dtype, seed=seed + 1,
-                                         labels_dtype=labels_dtype)
         if case == "ref_own_copy":  # a memory bank that holds the batch itself: skipped by identity
             other, other_labels = torch.cat([x, other]), torch.cat([labels, other_labels])
         kwargs.update(ref_embeddings=other, ref_labels=other_labels)

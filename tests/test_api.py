@@ -144,17 +144,18 @@ def test_non_finite_inputs_give_nan(backend, bad, where, normalize):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("hyper", [dict(beta=1000.0), dict(alpha=0.01), dict(base=-1.0),
                                    dict(alpha=0.01, beta=1000.0, base=-1.0), dict(alpha=100.0, base=2.0)])
-@pytest.mark.parametrize("mining", [True, False])
-def test_extreme_hyper_parameters_are_finite_and_exact(backend, hyper, mining):
+@pytest.mark.parametrize("mining,reduction", [(True, "mean"), (False, "sum"), (True, "none")])
+def test_extreme_hyper_parameters_are_finite_and_exact(backend, hyper, mining, reduction):
     x, labels = make_batch(50, 8, 5, dtype=torch.float32)
     x.requires_grad_()
-    loss = multi_similarity_loss(x, labels, backend=backend, mining=mining, **hyper)
-    (grad,) = torch.autograd.grad(loss, x)
     x64 = x.detach().double().requires_grad_()
-    expected = multi_similarity_loss(x64, labels, backend="reference", mining=mining, **hyper)
-    (grad64,) = torch.autograd.grad(expected, x64)
-    assert torch.isfinite(loss) and torch.isfinite(grad).all() and expected > 0
-    torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=0)
+    loss, expected = (multi_similarity_loss(t, labels, backend=b, mining=mining, reduction=reduction, **hyper)
+                      for t, b in ((x, backend), (x64, "reference")))
+    weights = torch.linspace(0.3, 1.7, loss.numel()).reshape(loss.shape)  # a grad_output other than 1
+    (grad,) = torch.autograd.grad(loss, x, weights.float())
+    (grad64,) = torch.autograd.grad(expected, x64, weights.double())
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and expected.sum() > 0
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=2e-5 * expected.abs().max().item())
     torch.testing.assert_close(grad.double(), grad64, rtol=1e-4, atol=1e-4 * grad64.abs().max().item())
 
 
@@ -371,8 +372,11 @@ def test_unit_rows_second_derivatives_and_vmap():
     torch.testing.assert_close(torch.func.vmap(unit_rows)(batched), torch.nn.functional.normalize(batched, dim=2))
 
 
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on CPU: the interpreter)
+
+
 @pytest.mark.parametrize("backend", [b for b in ("cpu", "triton", "triton_chunked")
-                                     if b.split("_")[0] in available_backends()])
+                                     if b.split("_")[0] in available_backends("cpu" if b == "cpu" else TRITON_DEVICE)])
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatch):
     """create_graph=True gives the exact first derivative; differentiating it again raises (the
@@ -381,9 +385,12 @@ def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatc
     if backend.startswith("triton"):
         monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6" if backend == "triton_chunked" else "0")
         backend = "triton"
+    device = "cpu" if backend == "cpu" else TRITON_DEVICE
     x, labels = make_batch(37, 16, 5, dtype=torch.float32)
     ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
-    x.requires_grad_()
+    x, labels = x.to(device).requires_grad_(), labels.to(device)
+    if with_ref:
+        ref, ref_labels = ref.to(device), ref_labels.to(device)
     loss = multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend=backend)
     (grad,) = torch.autograd.grad(loss, x, create_graph=True)
     (plain,) = torch.autograd.grad(multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
@@ -391,9 +398,6 @@ def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatc
     torch.testing.assert_close(grad, plain, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(grad.square().sum(), x)
-
-
-TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on CPU: the interpreter)
 
 
 @pytest.mark.skipif("triton" not in available_backends(TRITON_DEVICE), reason="needs Triton (or its interpreter)")

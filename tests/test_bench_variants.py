@@ -233,7 +233,7 @@ def test_symmetric_negatives_keep_the_shipped_pass_past_their_memory(monkeypatch
     monkeypatch.setattr(forward, "SYMMETRIC_PARTIALS_BYTES", 3 * 4 * 300 * 3)  # (300 rows: 4 slots needed)
     launches = recorded_launches(monkeypatch)
     with triton_internals.tiles(triton_internals.symmetric_tiles()):
-        check_against_reference("triton", build_case("self", 300, 24, torch.float16), torch.float16, "none",
+        check_against_reference("triton", build_case("self", 300, 24, torch.float32), torch.float32, "none",
                                 device=DEVICE)
     names = [launch.kernel.fn.__name__ for launch in launches]
     assert "negatives_kernel" in names and "symmetric_negatives_kernel" not in names
