@@ -31,13 +31,13 @@ def describe(record):
 
 
 def test_every_kernel_compiles_for_both_targets(records):
-    kernels = {"label_order_kernel", "divided_rows_kernel", "minpos_kernel",
+    kernels = {"label_order_kernel", "divided_rows_kernel", "minpos_kernel", "capped_lifts_kernel",
                "negatives_kernel[check_ids=False][skip_range=True]",
                "negatives_kernel[check_ids=True][skip_range=True]",
                "negatives_kernel[check_ids=False][skip_range=False]", "finish_kernel[skip_range=True]",
                "finish_kernel[skip_range=False]", "scales_kernel[column_lift=False]",
                "scales_kernel[column_lift=True]", "scales_kernel[column_lift=False][half_lift]",
-               "scales_kernel[column_lift=False][uniform]", "scales_kernel[column_lift=False][half_lift][uniform]",
+               "scales_kernel[column_lift=False][uniform]", "scales_kernel[column_lift=True][uniform]", "scales_kernel[column_lift=False][half_lift][uniform]",
                "grad_kernel[rows=True,cols=False][check_ids=False]",
                "grad_kernel[rows=False,cols=True][check_ids=False]",
                "weights_kernel[cols=False,both_lifts=False,copy=False][check_ids=False]",
@@ -77,9 +77,9 @@ def symmetric(dtype, cc):
 
 
 def test_every_product_uses_tensor_cores(records):
-    products = [r for r in records  # (the label order, finish, scales and row kernels have no product)
-                if not r["kernel"].startswith(("label_order", "finish", "scales", "unit_rows", "divided_rows",
-                                               "split_rows", "stored_rows"))]
+    products = [r for r in records  # (the label order, finish, scales, lifts and row kernels have no product)
+                if not r["kernel"].startswith(("label_order", "finish", "scales", "capped_lifts", "unit_rows",
+                                               "divided_rows", "split_rows", "stored_rows"))]
     assert products
     # (the TF32 backward's 32-row tiles, which keep its 512-wide accumulator from spilling, are below
     # a Hopper warpgroup's 64 rows: mma.sync there, tensor cores still)

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import launcher
-from .backward_kernels import grad_kernel, mirrored_grid, scales_kernel, weights_kernel
+from .backward_kernels import capped_lifts_kernel, grad_kernel, mirrored_grid, scales_kernel, weights_kernel
 from .launcher import INTERPRETED, Launch, cdiv
 from .operands import (block_ranges, check_beta, check_dtypes, check_ref_norms, column_splits, plan_operands,
                        saved_label_order, shared_identities)
@@ -148,7 +148,10 @@ RANGE_PROGRAMS = 4
 MOST_GRID_Y = 65535  # CUDA's most blocks on a grid's second axis
 # half a multiprocessor's 64K registers: a program's share where two must fit on one
 TWO_PROGRAMS_REGISTERS = 65536 // 2
-LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14  # the most a row holding other anchors' weights (each <= 1) may be lifted
+# the most a row holding other anchors' weights may be lifted: in the fused backward's self case, where
+# each weight is at most 1, absolutely; in the chunked one's whole rows, times the smallest anchor lift
+# (capped_lifts_kernel), which lifts the largest column weight to at most 1
+LIFT_WITH_COLUMN_ANCHORS = 2.0 ** 14
 # the most each end of a weight is lifted in the chunked triangle (a weight then stays <= 2^8; the
 # rows of x are divided by it, and a larger one would push more of them below float16's normals)
 TRIANGLE_LIFT = 2.0 ** 7
@@ -251,16 +254,19 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     label_order_flags = dict(LABEL_ORDER=ref is None, CHECK_IDS=ref is None and ids is not None)
     scale = torch.empty(num_x, dtype=torch.float32, device=x.device)
     anchor_scale = torch.empty_like(scale)
-    column_lift = (torch.full((1,), LIFT_WITH_COLUMN_ANCHORS, dtype=torch.float32, device=x.device)
-                   if copy else norm)  # (dref's one lift for the rows of all anchors' weights; else never read)
+    # the chunked self case's whole rows: each lift capped relative to the smallest (capped_lifts_kernel)
+    capped = bool(chunk_bytes) and ref is None and not triangle
+    column_lift = (torch.full((1,), 2.0 ** 64, dtype=torch.float32, device=x.device)
+                   if copy or capped else norm)  # (the smallest anchor lift, for dref or `capped`; else never read)
     block = 1024
     scales = Launch(scales_kernel, (cdiv(num_x, block),),
                     dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0), grad_divisor=float(grad_divisor),
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
                          epsilon=epsilon, max_lift=TRIANGLE_LIFT if triangle else
-                         LIFT_WITH_COLUMN_ANCHORS if ref is None else 2.0 ** 64),
-                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy, HALF_LIFT=triangle,
+                         LIFT_WITH_COLUMN_ANCHORS if ref is None and not capped else 2.0 ** 64),
+                    dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy or capped,
+                         HALF_LIFT=triangle,
                          UNIFORM=uniform, BLOCK=block),
                     4, 1)
     shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
@@ -377,8 +383,14 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     copy_buffer = torch.empty_like(buffer) if copy else buffer  # (else never written: any pointer will do)
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
-    unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)  # (by `Unlift`)
-    steps = [scales, Unlift(unlift, norm, lift)]
+    unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)
+    if b is a and not triangle:  # (the self case's whole rows: their lifts capped where they hold all columns)
+        block = 1024
+        steps = [scales, Launch(capped_lifts_kernel, (cdiv(num_x, block),),
+                                dict(lift_ptr=lift, least_lift_ptr=column_lift, norm_ptr=norm, unlift_ptr=unlift,
+                                     num_rows=num_x, headroom=LIFT_WITH_COLUMN_ANCHORS), dict(BLOCK=block), 4, 1)]
+    else:
+        steps = [scales, Unlift(unlift, norm, lift)]
     half = _padded(dim)
 
     def rows_for_products(t, divisor=None, out=None):

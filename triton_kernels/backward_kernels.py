@@ -5,7 +5,8 @@ tile and turns each pair into its weight H_ij = g_i dL_i/dS_ij (+ g_j dL_j/dS_ji
 where S is symmetric), then multiplies: dx = H r, dref = H^T x.
 - `scales_kernel` (one launch first): each anchor's gradient scale g_i / max|g| and the lift of its
   row of weights, a power of 2 that brings the row's largest weight into (1/2, 1], so that weights
-  enter the product in the input dtype without falling into float16's subnormals.
+  enter the product in the input dtype without falling into float16's subnormals
+  (`capped_lifts_kernel` then caps the chunked self case's rows).
 - `grad_kernel`, the fused backward: program (row block I, D block, column split) recomputes S_IJ
   for its columns and accumulates H_IJ @ b_J in registers (self case: H_IJ = G_IJ + G_JI^T from the
   statistics at both ends, no atomics).
@@ -38,9 +39,9 @@ def scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, scal
     largest weight is bounded from the stats in the log domain, each set only when it is not empty:
     exp(-alpha (minpos - base) - LP) for the mined positives, exp(beta (maxneg - base) - LN) for the
     mined negatives; no overflow, no NaN. An anchor without weights (or that does not count) gets the
-    largest lift. COLUMN_LIFT: also the one lift of a reference set's rows, which hold every anchor's
-    weights: the smallest anchor lift, at most backward_plan.LIFT_WITH_COLUMN_ANCHORS (an atomic
-    minimum into column_lift_ptr, which starts there: the same result in any order). HALF_LIFT (the
+    largest lift. COLUMN_LIFT: also the smallest anchor lift (an atomic minimum into column_lift_ptr,
+    which starts at 2^64: the same result in any order), the one lift of a reference set's rows, which
+    hold every anchor's weights, and what capped_lifts_kernel caps the self case's rows by. HALF_LIFT (the
     self case's triangle, where each weight takes its row's and its column's lift: backward_plan): the
     power of 2 at or below the lift's square root, at most max_lift (backward_plan.TRIANGLE_LIFT)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -72,6 +73,20 @@ def scales_kernel(grad_ptr, grad_stride, grad_divisor, stats_ptr, norm_ptr, scal
     tl.store(lift_ptr + i, lift, mask=ok)
     if COLUMN_LIFT:
         tl.atomic_min(column_lift_ptr, tl.min(tl.where(ok, lift, float("inf")), axis=0))
+
+
+@triton.jit
+def capped_lifts_kernel(lift_ptr, least_lift_ptr, norm_ptr, unlift_ptr, num_rows, headroom, BLOCK: tl.constexpr):
+    """The chunked self case's whole rows, after scales_kernel (COLUMN_LIFT, uncapped): each row's lift
+    capped at `headroom` times the smallest anchor lift (least_lift_ptr), in place, and unlift = norm /
+    lift. A row holds its column anchors' weights beside its own, each at most 1 / the smallest lift, so
+    they stay below headroom; a batch whose weights are all small keeps them lifted towards 1, where a
+    fixed cap would leave them in float16's subnormals."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < num_rows
+    lift = tl.minimum(tl.load(lift_ptr + r, mask=ok, other=1.0), tl.load(least_lift_ptr) * headroom)
+    tl.store(lift_ptr + r, lift, mask=ok)
+    tl.store(unlift_ptr + r, tl.div_rn(tl.load(norm_ptr), lift), mask=ok)  # (as torch divides)
 
 
 @triton.jit

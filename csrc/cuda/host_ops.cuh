@@ -157,10 +157,11 @@ std::tuple<at::Tensor, at::Tensor> backward(
   const at::Tensor norm = B > 0 ? grad.abs().amax().clamp_min(1e-30).reshape({1}) : at::ones({1}, grad.options());
   const at::Tensor scale = grad / norm;
   const Params<float> p = make_params(alpha, beta, base, epsilon, mining, skip_incomplete_anchors);
-  // Each anchor row's lift; a reference set's rows hold every anchor's weights: the smallest one.
+  // Each anchor row's lift; a reference set's rows hold every anchor's weights: the smallest one, which
+  // lifts the largest of them to at most 1.
   const at::Tensor lift = row_scales(st, scale, p);
   const at::Tensor ref_lift = !want_ref ? lift
-                              : B > 0   ? lift.amin().clamp_max(kLiftWithColumnAnchors).expand({in.b.size(0)}).contiguous()
+                              : B > 0   ? lift.amin().expand({in.b.size(0)}).contiguous()
                                         : at::ones({in.b.size(0)}, lift.options());
   at::Tensor grad_a = at::empty_like(in.a);
   at::Tensor grad_b = want_ref ? at::empty_like(in.b) : at::empty({0}, x.options());
