@@ -119,9 +119,9 @@ def test_the_pieces_hold_a_float32_product():
 @pytest.mark.parametrize("case,reduction", [("self", "mean"), ("ref_ids", "none")])
 def test_a_batch_whose_weights_are_all_small_keeps_float32_precision(monkeypatch, case, reduction):
     """Every anchor's weights about e^-25 (no positives, nearly orthogonal rows: negatives near S = 0
-    under beta = 50, mining off): lifted towards 1 by their own lifts, which here pass the 2^14 that a row holding its column
-    anchors' weights takes when those may be 1 (whole rows: capped_lifts_kernel, relative to the
-    smallest lift; dref: the smallest lift itself). A fixed cap of 2^14 left them where the pieces keep
+    under beta = 50, mining off): lifted towards 1 by their own lifts, which here pass the 2^14 that a
+    row holding its column anchors' weights takes when those may be 1 (whole rows: capped_lifts_kernel,
+    relative to the smallest lift; dref: the smallest lift itself). A fixed cap of 2^14 left them where the pieces keep
     about 1e-4 of them (float16's subnormal step, 2^-24, in the rests)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0.01")
     chosen = chunk_choices(monkeypatch, 10 ** 9)
@@ -136,3 +136,22 @@ def test_a_batch_whose_weights_are_all_small_keeps_float32_precision(monkeypatch
     check_against_reference("triton", kwargs, torch.float32, reduction, device=DEVICE, rtol=PIECES_RTOL, mining=False)
     assert seen and set(seen) == {(torch.float16, True)}
     assert case != "self" or chosen and all(len(chunks) > 1 and not triangle for chunks, triangle in chosen)
+
+
+def test_a_reference_set_that_is_the_batch_tensor_itself_keeps_its_lifts(monkeypatch):
+    """The op's backward with the reference set the very tensor x and no dref (the plan's b is its a):
+    each anchor row keeps its own lift, as for a copy of x, not the self case's capped one (which would
+    read a minimum that scales_kernel did not take there). Weights about e^-25, grad_output 1e-3."""
+    from ms_loss_cuda.triton_kernels import op
+
+    monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0.01")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.eye(96, 128, dtype=torch.float64) + 0.005 * torch.randn(96, 128, generator=gen, dtype=torch.float64)
+    x = torch.nn.functional.normalize(x, dim=1).half().to(DEVICE)
+    labels = ids = torch.arange(96, device=DEVICE)
+    hyper = (2.0, 50.0, 0.5, 0.1, False, False)  # (alpha, beta, base, epsilon, mining, skip_incomplete_anchors)
+    _, stats = op._forward(x, labels, ids, x, labels + 96, ids, *hyper)
+    grad_output = torch.full((96,), 1e-3, device=DEVICE)
+    same, copied = (op.backward_of_checked_inputs(grad_output, stats, x, labels, ids, ref, labels + 96, ids, *hyper,
+                                                  ref_grad=False, float32=True)[0] for ref in (x, x.clone()))
+    assert copied.abs().max() > 0 and torch.equal(same, copied)

@@ -51,8 +51,8 @@ class Reorder(NamedTuple):
 
 class Product(NamedTuple):
     """A step of the chunked backward: out (float32) = (w @ b) * unlift by cuBLAS, or out += that; the
-    rows of w come lifted (see scales_kernel) and `Unlift` made their unlift. With w_lo and b_lo, w and
-    b are float32 values as float16 pieces (pairs.float16_parts: w + w_lo / 2^11 and b + b_lo / 2^11),
+    rows of w come lifted (see scales_kernel) and `Unlift` or capped_lifts_kernel made their unlift.
+    With w_lo and b_lo, w and b are float32 values as float16 pieces (pairs.float16_parts: w + w_lo / 2^11 and b + b_lo / 2^11),
     multiplied as w b + (w b_lo + w_lo b) / 2^11: three float16 products where one float32 product
     would run on CUDA cores, for each half of the rows in turn, so that its two float32 results at a
     time take what one of all rows takes."""
@@ -361,8 +361,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     square roots of the rows' own, at most TRIANGLE_LIFT), and both products take the rows of x
     divided by theirs (`Unlift`): (H L) (L^-1 x) row by row, unlifted by each output row's own. So an
     anchor whose grad_output is far below the largest keeps its precision, up to lifts of 2^14 in
-    all, where whole rows lift a row up to 2^14 alone. Otherwise: chunks of whole rows, each writing
-    its rows of dx once.
+    all, where whole rows lift a row up to 2^14 times the smallest anchor lift alone. Otherwise:
+    chunks of whole rows, each writing its rows of dx once.
     Reference set: all anchors against chunks of its rows, dx summed over them in order (each chunk's
     products, for dx and for dref, in pieces of at most `piece` rows, as their float32 results are
     temporaries); with a
@@ -384,7 +384,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
     unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)
-    if b is a and not triangle:  # (the self case's whole rows: their lifts capped where they hold all columns)
+    if tiles["B_ANCHORS"] and not triangle:  # (the self case's whole rows: their lifts capped, backward_plan)
         block = 1024
         steps = [scales, Launch(capped_lifts_kernel, (cdiv(num_x, block),),
                                 dict(lift_ptr=lift, least_lift_ptr=column_lift, norm_ptr=norm, unlift_ptr=unlift,
