@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Without a GPU the Triton kernels run under the interpreter on CPU tensors; it must be chosen
@@ -14,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ms_loss_cuda import multi_similarity_loss, ops  # noqa: E402
+from ms_loss_cuda.reference import pair_masks  # noqa: E402
 
 # rtol of the loss and of the gradients (relative to their largest entry) per input dtype
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -68,12 +70,9 @@ LOSS_FLOOR = 1e-2
 
 def _anchors_that_mine(x, labels, ref_x, ref_labels, epsilon=0.1):
     """The share of x's rows whose mined sets against ref_x (x itself when None) are not empty."""
-    x = torch.nn.functional.normalize(x, dim=1)
-    s = x @ (x if ref_x is None else torch.nn.functional.normalize(ref_x, dim=1)).T
-    same = labels[:, None] == (labels if ref_x is None else ref_labels)[None]
-    pos = same.fill_diagonal_(False) if ref_x is None else same
+    pos, neg = pair_masks(labels, ref_labels)
+    s = F.normalize(x, dim=1) @ F.normalize(x if ref_x is None else ref_x, dim=1).T
     minpos = torch.where(pos, s, torch.inf).amin(1, keepdim=True)
-    neg = labels[:, None] != (labels if ref_x is None else ref_labels)[None]
     return (neg & (s + epsilon > minpos)).any(1).double().mean().item()
 
 
@@ -90,7 +89,7 @@ def build_case(case, batch, dim, dtype, seed=0, labels_dtype=torch.int64):
         x = centres + 2 ** middle * noise
         split = (x[batch:], labels[batch:]) if rows > batch else (None, None)
         low, high = (low, middle) if _anchors_that_mine(x[:batch], labels[:batch], *split) > 0.5 else (middle, high)
-    x, labels = (centres + 2 ** middle * noise).to(dtype), labels.to(labels_dtype)
+    x, labels = x.to(dtype), labels.to(labels_dtype)  # (the last spread tried)
     x, other, labels, other_labels = x[:batch], x[batch:], labels[:batch], labels[batch:]
     kwargs = dict(embeddings=x, labels=labels)
     if case.startswith("ref"):
@@ -115,8 +114,8 @@ def threshold_crossing(dtype, device="cpu"):
     (S_forward + epsilon < minpos < S_backward + epsilon): what a backward that recomputes S in another
     order than its forward may meet, in the rows' dtype on `device`."""
     gen = torch.Generator().manual_seed(0)
-    a, other = torch.nn.functional.normalize(torch.randn(2, 64, generator=gen, dtype=torch.float64), dim=1)
-    other = torch.nn.functional.normalize(other - (other @ a) * a, dim=0)
+    a, other = F.normalize(torch.randn(2, 64, generator=gen, dtype=torch.float64), dim=1)
+    other = F.normalize(other - (other @ a) * a, dim=0)
     positive, negative = 0.7 * a + 0.51 ** 0.5 * other, 0.55 * a - (1 - 0.55 ** 2) ** 0.5 * other
     moved = negative + 1e-3 * a  # (S + 1e-3)
     x, bank, moved_bank = (t.to(dtype).to(device) for t in (a[None], torch.stack([positive, negative]),

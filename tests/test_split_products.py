@@ -121,8 +121,8 @@ def test_a_batch_whose_weights_are_all_small_keeps_float32_precision(monkeypatch
     """Every anchor's weights about e^-25 (no positives, nearly orthogonal rows: negatives near S = 0
     under beta = 50, mining off): lifted towards 1 by their own lifts, which here pass the 2^14 that a
     row holding its column anchors' weights takes when those may be 1 (whole rows: capped_lifts_kernel,
-    relative to the smallest lift; dref: the smallest lift itself). A fixed cap of 2^14 left them where the pieces keep
-    about 1e-4 of them (float16's subnormal step, 2^-24, in the rests)."""
+    relative to the smallest lift; dref: the smallest lift itself). A fixed cap of 2^14 left them where
+    the pieces keep about 1e-4 of them (float16's subnormal step, 2^-24, in the rests)."""
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "0.01")
     chosen = chunk_choices(monkeypatch, 10 ** 9)
     seen = product_dtypes(monkeypatch)
