@@ -279,7 +279,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                      BOTH_LIFTS=triangle, COPY=copy, B_SCALES=ref_norms is not None, SPLIT=split, **label_order_flags)
         grad_x, grad_ref, steps = _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm,
                                                 anchor_scale, column_lift, scales, piece_rows(chunk_bytes, dim),
-                                                ref_norms)
+                                                ref_norms, capped)
         if order is not None:
             steps.append(Reorder(torch.empty_like(grad_x) if reorder else None, grad_x, order))
             grad_x = steps[-1].out if reorder else grad_x
@@ -345,7 +345,7 @@ def chunk_rectangles(self_case, num_x, num_b, tiles, element_size, budget, trian
 
 
 def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, lift, column_lift, scales, piece,
-                  ref_norms):
+                  ref_norms, capped):
     """backward_plan's result for the chunked backward: weights_kernel writes the lifted pair weights
     of a chunk (`chunk_rectangles`) into a buffer, and `Product` multiplies them by cuBLAS, the
     buffers within the budget and reused by every chunk.
@@ -372,6 +372,8 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     does (B_SCALES), and each chunk's product takes the chunk's unit rows, made just before it
     (divided_rows_kernel) into one buffer within the budget beside the weights: the bank's unit rows
     never exist whole (R x D, 256 MiB for 262,144 float16 rows of 512).
+    `capped`: the self case's whole rows, whose lifts capped_lifts_kernel caps relative to the smallest
+    one that `scales` took (backward_plan decides, as it makes that launch).
     Every gradient row is summed in a fixed order: the same bits on every run."""
     tiles, warps, stages = launcher.split_config(tiles)
     (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
@@ -384,7 +386,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     grad_x = (torch.empty if rectangles else torch.zeros)(num_x, dim, dtype=torch.float32, device=a.device)
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
     unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)
-    if tiles["B_ANCHORS"] and not triangle:  # (the self case's whole rows: their lifts capped, backward_plan)
+    if capped:  # (the self case's whole rows: scales_kernel took the smallest lift, backward_plan)
         block = 1024
         steps = [scales, Launch(capped_lifts_kernel, (cdiv(num_x, block),),
                                 dict(lift_ptr=lift, least_lift_ptr=column_lift, norm_ptr=norm, unlift_ptr=unlift,
