@@ -38,19 +38,22 @@ def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtyp
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-def test_a_chunk_of_more_row_blocks_than_a_grid_axis_holds_takes_a_launch_per_piece(monkeypatch):
-    """CUDA caps the grid's second axis, the weights launch's row blocks, at 65535; a reference set's
-    chunk holds every anchor, so from 8.4M anchors on it takes one launch per piece of rows: here a cap
-    of one row block, against the float64 reference."""
+@pytest.mark.parametrize("kind", ["ref_ids", "self_ids"])
+def test_a_chunk_of_more_row_blocks_than_a_grid_axis_holds_takes_a_launch_per_piece(monkeypatch, kind):
+    """CUDA caps the grid's second axis, the weights launches' row blocks, at 65535; a reference set's
+    chunk holds every anchor, so from 8.4M anchors on it takes one launch per piece of rows, and so does
+    the self case's launch of its positive ranges, whose row blocks are smaller than the chunk's: here a
+    cap of one row block, against the float64 reference."""
     from ms_loss_cuda.triton_kernels import backward
 
     monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6")  # (1 byte)
     monkeypatch.setattr(backward, "MOST_GRID_Y", 1)
     launches = recorded_launches(monkeypatch)
-    check_against_reference("triton", build_case("ref_ids", 150, 40, torch.float32, seed=2), torch.float32, "sum",
+    check_against_reference("triton", build_case(kind, 150, 40, torch.float32, seed=2), torch.float32, "sum",
                             device=DEVICE)
-    grids = [launch.grid for launch in launches if launch.kernel.fn.__name__ == "weights_kernel"]
-    assert len(grids) > 2 and all(grid[1] == 1 for grid in grids)
+    weights = [launch for launch in launches if launch.kernel.fn.__name__ == "weights_kernel"]
+    assert len(weights) > 2 and all(launch.grid[1] == 1 for launch in weights)
+    assert (kind == "self_ids") == any(launch.constexprs["RANGE_TILES"] for launch in weights)
 
 
 @pytest.mark.skipif(triton_kernels is None, reason="Triton missing")

@@ -168,6 +168,13 @@ def _spans(begin, end, most):
     return ((first, min(first + most, end)) for first in range(begin, end, most))
 
 
+def _rows_piece(args, begin, end):
+    """A weights launch's arguments for rows [begin, end) of its chunk (whose weights start at
+    args["w_ptr"], row args["row_begin"])."""
+    skip = begin - args["row_begin"]
+    return dict(args, w_ptr=args["w_ptr"][skip:], copy_ptr=args["copy_ptr"][skip:], row_begin=begin, row_end=end)
+
+
 def piece_rows(budget, dim):
     """The most rows of dx one product writes (see LEAST_PIECE_ROWS)."""
     return max(budget // (8 * 4 * dim), LEAST_PIECE_ROWS)
@@ -431,8 +438,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
         # reference set's chunks hold every anchor: from 8.4M anchors on) takes one launch per piece of them
         most_rows = MOST_GRID_Y * tiles["BLOCK_M"]
         for begin, end in _spans(row_begin, row_end, most_rows):
-            part = dict(args, w_ptr=w[begin - row_begin:], copy_ptr=w_copy[begin - row_begin:], row_begin=begin,
-                        row_end=end)
+            part = _rows_piece(args, begin, end)
             # (identities: the range launch's; with a bank's scales, the registers capped where two programs
             # share a multiprocessor, which a Hopper program fits without spilling; 255 is PTX's most)
             grid = (mirrored_grid(end - begin, cols, begin - col_begin, tiles["BLOCK_M"], tiles["BLOCK_N"])
@@ -443,10 +449,13 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
                                 min(TWO_PROGRAMS_REGISTERS // (32 * warps), 255) if tiles["B_SCALES"] else None))
         if tiles["LABEL_ORDER"]:  # the positive ranges' columns, classified, over the label-free tiles' weights
             range_config, range_warps, range_stages = launcher.split_config(range_tiles)
-            steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(rows, range_config["BLOCK_M"])), args,
-                                dict(tiles, **range_config, RANGE_TILES=True, COLUMN_TILES=1, RESIDENT_D=0,
-                                     MIRROR=False),
-                                range_warps, range_stages))
+            # (the same cap on the grid's second axis, at the range launch's own row blocks)
+            for begin, end in _spans(row_begin, row_end, MOST_GRID_Y * range_config["BLOCK_M"]):
+                steps.append(Launch(weights_kernel, (RANGE_PROGRAMS, cdiv(end - begin, range_config["BLOCK_M"])),
+                                    _rows_piece(args, begin, end),
+                                    dict(tiles, **range_config, RANGE_TILES=True, COLUMN_TILES=1, RESIDENT_D=0,
+                                         MIRROR=False),
+                                    range_warps, range_stages))
         if triangle:
             w_rows, w_rests = _columns(w, 0, cols, split)
             steps.append(Product(w_rows, a_unlifted[0][col_begin:], grad_x[row_begin:row_end],
