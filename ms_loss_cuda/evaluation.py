@@ -32,7 +32,7 @@ def _float32_array(rows):
     whenever faiss is: faiss depends on it)."""
     import numpy as np
 
-    return np.ascontiguousarray(rows.detach().numpy(), dtype=np.float32)
+    return np.ascontiguousarray(rows.detach().cpu().numpy(), dtype=np.float32)
 
 
 def _validated(embeddings, labels, name):
@@ -46,6 +46,8 @@ def _validated(embeddings, labels, name):
             raise TypeError(f"{what} must be a torch tensor, got {type(value).__name__}")
     if embeddings.dim() != 2:
         raise ValueError(f"{name} must be a 2-D tensor [N, D], got shape {tuple(embeddings.shape)}")
+    if embeddings.is_complex() or embeddings.dtype == torch.bool:
+        raise TypeError(f"{name} must be real numbers, got {embeddings.dtype}")
     if labels.shape != (embeddings.shape[0],):
         raise ValueError(f"{labels_name} must have shape [{embeddings.shape[0]}], got {tuple(labels.shape)}")
     if embeddings.numel() == 0:
@@ -57,9 +59,14 @@ def _validated(embeddings, labels, name):
 
 
 def _checked(embeddings, labels, name):
-    """`_validated`'s, the rows normalised in float32 on the CPU."""
+    """`_validated`'s, the rows normalised in float32 on the CPU: each divided by its largest magnitude
+    first, in its own dtype, so that rows whose squares would overflow or vanish in float32 (or whose
+    values lie outside float32's range) normalise as well as any other."""
     embeddings, labels = _validated(embeddings, labels, name)
-    return F.normalize(embeddings.detach().float(), dim=1).cpu(), labels
+    rows = embeddings.detach()
+    largest = rows.abs().amax(dim=1, keepdim=True)
+    rows = rows / torch.where(largest > 0, largest, torch.ones_like(largest))  # (a zero row stays zero)
+    return F.normalize(rows.float(), dim=1).cpu(), labels
 
 
 def _searcher(gallery, use_faiss):
@@ -98,10 +105,26 @@ def _knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk):
 
 
 def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None):
-    """(similarities, indices) [Q, k] of each query's k most similar gallery rows, most similar first
-    (rows already normalised). With leave_one_out the gallery is the query set and row i never
-    retrieves itself. use_faiss: None picks faiss when installed; True needs it; False uses torch."""
-    parts = list(_knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk or QUERY_CHUNK))
+    """(similarities, indices) [Q, k] of each query's k most similar gallery rows by inner product, most
+    similar first (rows already normalised; float32). With leave_one_out the gallery is the query set
+    and row i never retrieves itself. use_faiss: None picks faiss when installed; True needs it; False
+    uses torch. chunk: queries searched at a time (QUERY_CHUNK by default)."""
+    for name, rows in (("queries", queries), ("gallery", gallery)):
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or not rows.is_floating_point():
+            raise ValueError(f"{name} must be a 2-D floating-point tensor [N, D], got "
+                             f"{tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__}"
+                             f"{f' of {rows.dtype}' if isinstance(rows, torch.Tensor) else ''}")
+    if queries.shape[1] != gallery.shape[1]:
+        raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
+    if leave_one_out and queries.shape[0] != gallery.shape[0]:
+        raise ValueError(f"leave_one_out needs the queries to be the gallery, got {queries.shape[0]} queries "
+                         f"and {gallery.shape[0]} gallery rows")
+    if not _is_one_integer(k) or isinstance(k, bool):
+        raise ValueError(f"k must be an integer, got {k!r}")
+    if chunk is not None and (not _is_one_integer(chunk) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"chunk must be an integer >= 1 (or None: {QUERY_CHUNK}), got {chunk!r}")
+    queries, gallery = queries.detach().float(), gallery.detach().float()
+    parts = list(_knn_chunks(queries, gallery, operator.index(k), leave_one_out, use_faiss, chunk or QUERY_CHUNK))
     if not parts:  # (no queries)
         return torch.empty(0, k), torch.empty(0, k, dtype=torch.int64)
     return torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
@@ -109,6 +132,7 @@ def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None)
 
 def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss):
     """Yields (query labels, labels of their k nearest gallery rows) chunk after chunk of queries."""
+    _check_gallery(gallery, gallery_labels)
     queries, query_labels = _checked(embeddings, labels, "embeddings")
     if gallery is None:
         gallery, gallery_labels = queries, query_labels
@@ -118,6 +142,12 @@ def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss)
             raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
     for start, _, ids in _knn_chunks(queries, gallery, k, gallery is queries, use_faiss, QUERY_CHUNK):
         yield query_labels[start:start + ids.shape[0]], gallery_labels[ids]
+
+
+def _check_gallery(gallery, gallery_labels):
+    if gallery is None and gallery_labels is not None:
+        raise ValueError("gallery_labels were given without a gallery (leave-one-out on the embeddings "
+                         "takes their own labels): pass gallery= too, or leave both out")
 
 
 def _relevant_counts(query_labels, gallery_labels, leave_one_out):
@@ -162,6 +192,7 @@ def map_at_r(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss
     """MAP@R (Musgrave et al., 2020): R = the number of rows of the query's label in the gallery; the
     mean over queries of (1/R) sum_{i <= R} precision@i over the relevant positions i. Queries with
     R = 0 are left out; NaN, with a warning, when every query has R = 0."""
+    _check_gallery(gallery, gallery_labels)
     _, labels = _validated(embeddings, labels, "embeddings")
     reference_labels = labels if gallery is None else _validated(gallery, gallery_labels, "gallery")[1]
     r = _relevant_counts(labels, reference_labels, gallery is None)

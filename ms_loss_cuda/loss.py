@@ -95,8 +95,10 @@ def _number(name, value):
         raise TypeError(f"{name} must be a number or a tensor that does not require grad: the loss takes no "
                         f"gradient with respect to its hyper-parameters")
     try:
-        if not isinstance(value, (str, bytes, bytearray)):
+        if not isinstance(value, (str, bytes, bytearray, bool)) and getattr(value, "dtype", None) != torch.bool:
             return float(value)
+    except OverflowError:  # (an integer past float's range)
+        raise ValueError(f"{name} must be finite in float32, got an integer of {len(str(abs(value)))} digits") from None
     except (TypeError, ValueError, RuntimeError):  # (None, a tensor of several values)
         pass
     raise TypeError(f"{name} must be a real number, got {value!r}")

@@ -62,9 +62,13 @@ class CrossBatchMemory(torch.nn.Module):
             raise TypeError(f"unknown loss options {unknown}; CrossBatchMemory takes {_LOSS_OPTIONS}")
         size, dim, warmup = (_integer(name, value, least) for name, value, least in
                              (("size", size, 1), ("dim", dim, 1), ("warmup", warmup, 0)))
-        if not 0 <= weight < float("inf"):
-            raise ValueError(f"weight must be finite and >= 0, got {weight}")
-        self.size, self.dim, self.weight, self.warmup = size, dim, float(weight), warmup
+        try:  # (a number, or a 0-d tensor)
+            number = None if isinstance(weight, (bool, str, bytes)) else float(weight)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            number = None
+        if number is None or not 0 <= number < float("inf"):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        self.size, self.dim, self.weight, self.warmup = size, dim, number, warmup
         self.normalize = checked_flag("normalize", loss_options.pop("normalize", True))
         options = dict(_DEFAULTS, **loss_options)  # (checked here, so that a bad one fails at once)
         checked = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
@@ -84,7 +88,13 @@ class CrossBatchMemory(torch.nn.Module):
         return {"position": self.position, "filled": self.filled, "calls": self.calls}
 
     def set_extra_state(self, state):
-        self.position, self.filled, self.calls = state["position"], state["filled"], state["calls"]
+        position, filled, calls = (_integer(f"the saved memory's {name}", state[name], 0)
+                                   for name in ("position", "filled", "calls"))
+        # (the ring fills from slot 0: until it is full, the next slot is the fill)
+        if filled > self.size or position >= self.size or (filled < self.size and position != filled):
+            raise ValueError(f"the saved memory's position {position} and fill {filled} do not fit a memory of "
+                             f"{self.size} rows")
+        self.position, self.filled, self.calls = position, filled, calls
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -118,6 +128,10 @@ class CrossBatchMemory(torch.nn.Module):
                 f"normalises and compares them as normalised: a memory saved with normalize=False? Build this one "
                 f"with normalize=False, or drop the memory's entries from the state dict to start a new one")
 
+    def _check_rows(self, name, rows):
+        if rows.dim() != 2 or rows.shape[1] != self.dim:
+            raise ValueError(f"{name} must be [B, {self.dim}] for this memory, got {tuple(rows.shape)}")
+
     # The ring's position, fill and call count are host integers that change at every step: a compiled
     # graph would be specialised on them and recompiled at each step until torch.compile gives up. So the
     # memory runs eagerly inside a compiled function (a graph break; the loss it calls is fused anyway).
@@ -126,8 +140,7 @@ class CrossBatchMemory(torch.nn.Module):
         if ids is None:
             raise ValueError("CrossBatchMemory needs ids (one per sample, stable across steps): pairs of equal id "
                              "are skipped, which is how a sample never meets its own stored copies")
-        if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
-            raise ValueError(f"embeddings must be [B, {self.dim}] for this memory, got {tuple(embeddings.shape)}")
+        self._check_rows("embeddings", embeddings)
         for name, keys in (("labels", labels), ("ids", ids)):
             if getattr(keys, "dtype", None) == torch.uint64:  # (the memory keeps its keys as int64)
                 raise TypeError(f"CrossBatchMemory stores {name} as int64, where uint64 values of 2^63 and more "
@@ -146,6 +159,8 @@ class CrossBatchMemory(torch.nn.Module):
         """Stores `rows` (detached; this batch, or the global batch of several processes), then returns
         the MS loss of the anchors `x` (normalised already when the memory normalises) against the
         memory, or None during the warm-up calls. `loss_options` override the memory's own."""
+        self._check_rows("rows", rows)
+        self._check_rows("anchors", x)
         self.calls += 1
         if self.calls <= self.warmup:
             return None

@@ -60,6 +60,8 @@ def test_type_errors(kwargs):
     (dict(alpha=None), "alpha must be a real number, got None"),
     (dict(beta=torch.tensor([2.0, 3.0])), "beta must be a real number"),
     (dict(alpha="2"), "alpha must be a real number, got '2'"),
+    (dict(alpha=True), "alpha must be a real number, got True"),
+    (dict(beta=torch.tensor(True)), "beta must be a real number"),
     (dict(base=b"0.5"), "base must be a real number"),
     (dict(alpha=torch.tensor(2.0, requires_grad=True)), "alpha must be a number or a tensor that does not require"),
     (dict(mining="no"), "mining must be True or False, got 'no'"),
@@ -72,6 +74,11 @@ def test_hyper_parameters_of_the_wrong_type_are_named(kwargs, message):
                  lambda: ms_loss_cuda.CrossBatchMemory(16, 4, **kwargs)):
         with pytest.raises(TypeError, match=message):
             make()
+
+
+def test_an_integer_past_floats_range_is_named():
+    with pytest.raises(ValueError, match="alpha must be finite in float32, got an integer of 401 digits"):
+        call(alpha=10 ** 400)
 
 
 def test_tensor_hyper_parameters_are_kept_as_numbers():

@@ -110,6 +110,31 @@ def test_bad_input():
         with pytest.raises(TypeError, match="labels must be a torch tensor, got list"):
             function(x, labels.tolist(), use_faiss=False)
     assert [t.shape for t in evaluation.knn(x[:0], x, 2, use_faiss=False)] == [(0, 2), (0, 2)]
+    with pytest.raises(TypeError, match="embeddings must be real numbers, got torch.complex64"):
+        evaluation.recall_at_k(torch.complex(x, x), labels, use_faiss=False)
+    with pytest.raises(ValueError, match="gallery_labels were given without a gallery"):
+        evaluation.evaluate(x, labels, ks=(1,), gallery_labels=labels, use_faiss=False)
+    for kwargs, message in ((dict(chunk=-1), "chunk must be an integer >= 1"), (dict(chunk=0), "chunk must be"),
+                            (dict(queries=x[0]), r"queries must be a 2-D floating-point tensor \[N, D\], got \(4,\)"),
+                            (dict(gallery=x[:, :3]), "gallery D = 3 differs"), (dict(k=2.0), "k must be an integer"),
+                            (dict(queries=x[:5], leave_one_out=True), "leave_one_out needs the queries to be the gallery")):
+        with pytest.raises(ValueError, match=message):
+            evaluation.knn(**dict(dict(queries=x, gallery=x, k=2, use_faiss=False), **kwargs))
+    # (chunks of queries, and queries of another dtype than the gallery, give the same neighbours)
+    whole = evaluation.knn(x, x, 2, use_faiss=False)
+    for got in (evaluation.knn(x, x, 2, use_faiss=False, chunk=3), evaluation.knn(x.double(), x, 2, use_faiss=False)):
+        assert torch.equal(got[1], whole[1])
+
+
+@pytest.mark.parametrize("use_faiss", [False, pytest.param(True, marks=pytest.mark.skipif(
+    faiss is None, reason="faiss-cpu not installed"))])
+def test_the_metrics_do_not_depend_on_the_rows_lengths(use_faiss):
+    """Cosine similarity ignores a row's length: rows whose squares overflow or vanish in float32, and
+    float64 rows beyond float32's range, give the metrics of the rows as they were drawn."""
+    x, labels = torch.randn(60, 8, generator=torch.Generator().manual_seed(3)), torch.arange(60) % 7
+    expected = evaluation.evaluate(x, labels, ks=(1, 5), use_faiss=use_faiss)
+    for scaled in (x * 1e19, x * 1e-20, x.double() * 1e40, x.double() * 1e-300):
+        assert evaluation.evaluate(scaled, labels, ks=(1, 5), use_faiss=use_faiss) == expected
 
 
 @pytest.mark.parametrize("use_faiss", [False, pytest.param(True, marks=pytest.mark.skipif(

@@ -251,8 +251,10 @@ def test_bad_input():
         CrossBatchMemory(0, 4)
     with pytest.raises(ValueError, match="weight"):
         CrossBatchMemory(4, 4, weight=-1)
-    with pytest.raises(ValueError, match="weight must be finite"):
-        CrossBatchMemory(4, 4, weight=float("inf"))
+    for weight in (float("inf"), float("nan"), "1", True, None):
+        with pytest.raises(ValueError, match="weight must be a finite number >= 0"):
+            CrossBatchMemory(4, 4, weight=weight)
+    assert CrossBatchMemory(4, 4, weight=torch.tensor(0.5)).weight == 0.5
     for size in (True, 2.0, "4"):
         with pytest.raises(ValueError, match="size must be an integer"):
             CrossBatchMemory(size, 4)
@@ -267,3 +269,30 @@ def test_bad_input():
         memory(torch.randn(3, 5), labels, torch.arange(3))
     with pytest.raises(TypeError, match="stores labels as int64"):
         memory(x, labels.to(torch.uint64), torch.arange(3))
+
+
+def test_a_saved_state_that_does_not_fit_the_memory_is_refused():
+    """A checkpoint's ring position and fill must fit the memory (the ring fills from slot 0), or the
+    next step would store rows out of place."""
+    saved = CrossBatchMemory(5, 4, backend="reference")
+    saved(torch.randn(3, 4), torch.tensor([0, 1, 0]), torch.arange(3))
+    state = saved.state_dict()
+    for position, filled in ((7, 5), (2, 9), (1, 3), (-1, 3)):
+        memory = CrossBatchMemory(5, 4, backend="reference")
+        with pytest.raises(ValueError, match="position|fill"):
+            memory.load_state_dict(dict(state, _extra_state=dict(position=position, filled=filled, calls=1)))
+    memory = CrossBatchMemory(5, 4, backend="reference")
+    memory.load_state_dict(state)
+    assert (memory.position, memory.filled, memory.calls) == (3, 3, 1)
+
+
+def test_rows_of_another_width_are_refused_before_the_memory_counts_a_call():
+    """memory_term (the distributed loss's way in) checks the rows' D as forward does, before it
+    counts the call towards the warm-up."""
+    memory = CrossBatchMemory(8, 4, warmup=1, backend="reference")
+    x, labels, ids = torch.randn(3, 5), torch.tensor([0, 1, 0]), torch.arange(3)
+    for rows, anchors in ((x, x[:, :4]), (x[:, :4], x)):
+        with pytest.raises(ValueError, match=r"must be \[B, 4\] for this memory"):
+            memory.memory_term(anchors, labels, ids, rows, labels, ids)
+    assert memory.calls == 0
+
