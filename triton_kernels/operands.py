@@ -61,6 +61,10 @@ def plan_operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     Default identities (default_ids; else None) never collide across ends (self case: the row index,
     so the diagonal is skipped). The inputs are checked before: by the loss, or by the ops (op.py)."""
     batch = x.shape[0]
+    rows = batch + (0 if ref is None else ref.shape[0])
+    if rows >= 2 ** 31:  # (the keys' ranks, the default identities and the kernels' row indices)
+        raise ValueError(f"the triton backend indexes rows in int32: the batch and the reference set hold {rows} "
+                         f"rows together, at most 2^31 - 1 (use backend='reference', or a smaller memory bank)")
     dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
     x = _aligned_rows(x, dtype)
     ref = None if ref is None else _aligned_rows(ref, dtype)
