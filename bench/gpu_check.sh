@@ -5,8 +5,8 @@
 # kernels, sized for 8 minutes on an H100 after the build (each run's times: DIR/summary.txt). Steps:
 #   accuracy: bench/accuracy.py, the triton backend's loss and gradient against the float64 reference
 #     at B = 4096, 16384 and the 262144-row bank, float32 (torch's default precision and TF32), float16
-#     and bfloat16; then float32 with triton-fp16x3's S tiles (accuracy-variants.txt); then rows of norm 30
-#     compared as they are (--row-norm, exponents in the tens of thousands) for the reference (torch's own
+#     and bfloat16; then float32 with triton-fp16x3's S tiles (accuracy-variants.txt); then rows of norms
+#     30 and 300 compared as they are (--row-norm, exponents of 1e4-1e6) for the reference (torch's own
 #     float32 ops), triton and, where built, cuda (accuracy-unnormalised-*.txt);
 #   bench: the speed targets side by side, D = 512, as five parts that can also be named alone:
 #     bench-float16: B = 1024, 4096, 16384, 65536 and the memory banks 1024 x 262144 and 1024 x 1048576
@@ -156,9 +156,11 @@ for step in $STEPS; do
     run_step accuracy-variants 60 $PY bench/accuracy.py --device cuda --sizes 16384 --bank 262144 --dtypes float32 \
       --fp16x3 --out "$DIR/accuracy-variants.txt"
     for backend in reference triton $($PY -c "import ms_loss_cuda as m; print('cuda' * ('cuda' in \
-m.available_backends('cuda')))"); do  # (rows of norm 30 as they are; the reference: torch's float32 ops)
-      run_step "accuracy-unnormalised-$backend" 60 $PY bench/accuracy.py --device cuda --backend $backend --sizes 4096 \
-        --dtypes float32 --row-norm 30 --out "$DIR/accuracy-unnormalised-$backend.txt"
+m.available_backends('cuda')))"); do  # (rows as they are; the reference: torch's float32 ops)
+      for norm in 30 300; do  # (triton's error grows with the norm: bench/results/cpu/unnormalised-rows.txt)
+        run_step "accuracy-unnormalised-$backend-$norm" 60 $PY bench/accuracy.py --device cuda --backend $backend \
+          --sizes 4096 --dtypes float32 --row-norm $norm --out "$DIR/accuracy-unnormalised-$backend-norm$norm.txt"
+      done
     done ;;
   host)
     for batch in 1024 16384; do  # (the self case at B and a bank of 262144 rows)
