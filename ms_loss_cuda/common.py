@@ -64,6 +64,17 @@ def is_integer(t):
     return not (t.dtype == torch.bool or t.is_floating_point() or t.is_complex())
 
 
+def is_boolean(value):
+    """A bool of Python, numpy (its dtype's name) or torch: refused where a number is expected."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def shown(value):
+    """`value` as an error message shows it (an integer too long for its decimal form as its size)."""
+    return f"an integer of {value.bit_length()} bits" if isinstance(value, int) and value.bit_length() > 64 \
+        else repr(value)
+
+
 def check_keys(name, t, of_name, of):
     """`t`: one integer key per row of the tensor `of` (named `of_name` in the error)."""
     if not isinstance(t, torch.Tensor):

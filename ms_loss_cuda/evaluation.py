@@ -60,10 +60,10 @@ def _validated(embeddings, labels, name):
 
 def _checked(embeddings, labels, name):
     """`_validated`'s, the rows normalised in float32 on the CPU: each divided by its largest magnitude
-    first, in its own dtype, so that rows whose squares would overflow or vanish in float32 (or whose
-    values lie outside float32's range) normalise as well as any other."""
+    first, in float64, so that rows whose squares would overflow or vanish in float32 (or whose values
+    lie outside float32's range) normalise as well as any other."""
     embeddings, labels = _validated(embeddings, labels, name)
-    rows = embeddings.detach()
+    rows = embeddings.detach().double()
     largest = rows.abs().amax(dim=1, keepdim=True)
     rows = rows / torch.where(largest > 0, largest, torch.ones_like(largest))  # (a zero row stays zero)
     return F.normalize(rows.float(), dim=1).cpu(), labels
@@ -98,7 +98,7 @@ def _knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk):
     for start in range(0, queries.shape[0], chunk):
         sims, ids = search(queries[start:start + chunk], k + 1 if leave_one_out else k)
         if leave_one_out:  # drop each query's own row, or the last neighbour where it was not found
-            own = ids == torch.arange(start, start + ids.shape[0])[:, None]
+            own = ids == torch.arange(start, start + ids.shape[0], device=ids.device)[:, None]
             own[:, -1] |= ~own.any(dim=1)
             sims, ids = sims[~own].view(-1, k), ids[~own].view(-1, k)
         yield start, sims, ids

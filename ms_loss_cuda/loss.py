@@ -8,7 +8,7 @@ reference (the fused kernels mine for themselves).
 import torch
 
 from . import backends
-from .common import check_hyper_parameters, check_inputs, is_integer, unit_rows
+from .common import check_hyper_parameters, check_inputs, is_boolean, is_integer, shown, unit_rows
 
 __all__ = ["BACKENDS", "MultiSimilarityLoss", "available_backends", "multi_similarity_loss", "normalized_rows",
            "unit_rows"]
@@ -95,10 +95,10 @@ def _number(name, value):
         raise TypeError(f"{name} must be a number or a tensor that does not require grad: the loss takes no "
                         f"gradient with respect to its hyper-parameters")
     try:
-        if not isinstance(value, (str, bytes, bytearray, bool)) and getattr(value, "dtype", None) != torch.bool:
+        if not isinstance(value, (str, bytes, bytearray)) and not is_boolean(value):
             return float(value)
     except OverflowError:  # (an integer past float's range)
-        raise ValueError(f"{name} must be finite in float32, got an integer of {len(str(abs(value)))} digits") from None
+        raise ValueError(f"{name} must be finite in float32, got {shown(value)}") from None
     except (TypeError, ValueError, RuntimeError):  # (None, a tensor of several values)
         pass
     raise TypeError(f"{name} must be a real number, got {value!r}")

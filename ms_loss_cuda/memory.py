@@ -5,7 +5,7 @@ import operator
 import torch
 
 from . import backends
-from .common import HYPER_PARAMETERS, check_inputs
+from .common import HYPER_PARAMETERS, check_inputs, is_boolean, shown
 from .loss import checked_flag, checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
@@ -63,11 +63,11 @@ class CrossBatchMemory(torch.nn.Module):
         size, dim, warmup = (_integer(name, value, least) for name, value, least in
                              (("size", size, 1), ("dim", dim, 1), ("warmup", warmup, 0)))
         try:  # (a number, or a 0-d tensor)
-            number = None if isinstance(weight, (bool, str, bytes)) else float(weight)
+            number = None if is_boolean(weight) or isinstance(weight, (str, bytes)) else float(weight)
         except (TypeError, ValueError, RuntimeError, OverflowError):
             number = None
         if number is None or not 0 <= number < float("inf"):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+            raise ValueError(f"weight must be a finite number >= 0, got {shown(weight)}")
         self.size, self.dim, self.weight, self.warmup = size, dim, number, warmup
         self.normalize = checked_flag("normalize", loss_options.pop("normalize", True))
         options = dict(_DEFAULTS, **loss_options)  # (checked here, so that a bad one fails at once)
@@ -88,24 +88,34 @@ class CrossBatchMemory(torch.nn.Module):
         return {"position": self.position, "filled": self.filled, "calls": self.calls}
 
     def set_extra_state(self, state):
-        position, filled, calls = (_integer(f"the saved memory's {name}", state[name], 0)
-                                   for name in ("position", "filled", "calls"))
-        # (the ring fills from slot 0: until it is full, the next slot is the fill)
+        self.position, self.filled, self.calls = (int(state[name]) for name in ("position", "filled", "calls"))
+
+    def _unfit_ring(self, state):
+        """Why a saved ring state (get_extra_state's) cannot be this memory's, or None: its position and
+        fill must be integers that fit the memory, which fills from slot 0 (until it is full, the next
+        slot is the fill)."""
+        try:
+            position, filled, calls = (_integer(name, state[name], 0) for name in ("position", "filled", "calls"))
+        except (TypeError, KeyError, ValueError) as error:
+            return f"the saved memory's ring state is not a CrossBatchMemory's ({error})"
         if filled > self.size or position >= self.size or (filled < self.size and position != filled):
-            raise ValueError(f"the saved memory's position {position} and fill {filled} do not fit a memory of "
-                             f"{self.size} rows")
-        self.position, self.filled, self.calls = position, filled, calls
+            return f"the saved memory's position {position} and fill {filled} do not fit a memory of {self.size} rows"
+        return None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         saved = state_dict.get(prefix + "embeddings")
         # checked before anything is loaded, so that a refused memory leaves this one as it was (the rows
         # never stored are zeros, which pass; a module on the meta device reads no rows)
+        problem = None
         if self.normalize and isinstance(saved, torch.Tensor) and not (saved.is_meta or self.embeddings.is_meta):
             problem = self._longer_than_unit(saved)
-            if problem:
-                error_msgs.append(problem)  # (load_state_dict raises them together)
-                return
+        ring = state_dict.get(prefix + "_extra_state")
+        if problem is None and ring is not None and getattr(saved, "shape", (None,))[0] == self.size:
+            problem = self._unfit_ring(ring)  # (rows of another count: torch names the size mismatch)
+        if problem:
+            error_msgs.append(problem)  # (load_state_dict raises them together)
+            return
         # the memory takes the saved rows' dtype (as a step takes the batch's), so that loading never
         # rounds them: a float64 memory into the float32 buffer of a new module, say
         if isinstance(saved, torch.Tensor) and saved.dtype != self.embeddings.dtype:

@@ -61,6 +61,7 @@ def test_type_errors(kwargs):
     (dict(beta=torch.tensor([2.0, 3.0])), "beta must be a real number"),
     (dict(alpha="2"), "alpha must be a real number, got '2'"),
     (dict(alpha=True), "alpha must be a real number, got True"),
+    (dict(alpha=torch.tensor(True).numpy()[()]), "alpha must be a real number, got"),
     (dict(beta=torch.tensor(True)), "beta must be a real number"),
     (dict(base=b"0.5"), "base must be a real number"),
     (dict(alpha=torch.tensor(2.0, requires_grad=True)), "alpha must be a number or a tensor that does not require"),
@@ -77,8 +78,10 @@ def test_hyper_parameters_of_the_wrong_type_are_named(kwargs, message):
 
 
 def test_an_integer_past_floats_range_is_named():
-    with pytest.raises(ValueError, match="alpha must be finite in float32, got an integer of 401 digits"):
+    with pytest.raises(ValueError, match="alpha must be finite in float32, got an integer of 1329 bits"):
         call(alpha=10 ** 400)
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got an integer of 16610 bits"):
+        ms_loss_cuda.CrossBatchMemory(4, 4, weight=10 ** 5000)  # (past the decimal form's 4300 digits)
 
 
 def test_tensor_hyper_parameters_are_kept_as_numbers():

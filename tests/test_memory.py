@@ -279,11 +279,17 @@ def test_a_saved_state_that_does_not_fit_the_memory_is_refused():
     state = saved.state_dict()
     for position, filled in ((7, 5), (2, 9), (1, 3), (-1, 3)):
         memory = CrossBatchMemory(5, 4, backend="reference")
-        with pytest.raises(ValueError, match="position|fill"):
+        with pytest.raises(RuntimeError, match="do not fit a memory of 5 rows|must be an integer >= 0, got -1"):
             memory.load_state_dict(dict(state, _extra_state=dict(position=position, filled=filled, calls=1)))
+        # (refused as a whole: nothing of it is loaded)
+        assert (memory.position, memory.filled) == (0, 0) and not memory.embeddings.any()
+    with pytest.raises(RuntimeError, match="size mismatch for embeddings"):  # (torch's, for another size)
+        CrossBatchMemory(4, 4, backend="reference").load_state_dict(state)
+    saved(torch.randn(4, 4), torch.tensor([1, 0, 1, 1]), torch.arange(3, 7))  # (full, wrapped to slot 2)
     memory = CrossBatchMemory(5, 4, backend="reference")
-    memory.load_state_dict(state)
-    assert (memory.position, memory.filled, memory.calls) == (3, 3, 1)
+    memory.load_state_dict(saved.state_dict())
+    assert (memory.position, memory.filled, memory.calls) == (2, 5, 2)
+    torch.testing.assert_close(memory.embeddings, saved.embeddings)
 
 
 def test_rows_of_another_width_are_refused_before_the_memory_counts_a_call():
