@@ -90,6 +90,8 @@ def _searcher(gallery, use_faiss):
 def _knn_chunks(queries, gallery, k, leave_one_out, use_faiss, chunk):
     """Yields (first query row, similarities, indices) chunk after chunk of queries: nothing of size
     N x N, nor N x k, is ever held."""
+    if gallery.shape[1] != queries.shape[1]:
+        raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
     available = gallery.shape[0] - (1 if leave_one_out else 0)
     if not 1 <= k <= available:
         raise ValueError(f"k = {k} needs between 1 and {available} gallery rows per query (gallery of "
@@ -114,8 +116,6 @@ def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None)
             raise ValueError(f"{name} must be a 2-D floating-point tensor [N, D], got "
                              f"{tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__}"
                              f"{f' of {rows.dtype}' if isinstance(rows, torch.Tensor) else ''}")
-    if queries.shape[1] != gallery.shape[1]:
-        raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
     if leave_one_out and queries.shape[0] != gallery.shape[0]:
         raise ValueError(f"leave_one_out needs the queries to be the gallery, got {queries.shape[0]} queries "
                          f"and {gallery.shape[0]} gallery rows")
@@ -138,8 +138,6 @@ def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss)
         gallery, gallery_labels = queries, query_labels
     else:
         gallery, gallery_labels = _checked(gallery, gallery_labels, "gallery")
-        if gallery.shape[1] != queries.shape[1]:
-            raise ValueError(f"gallery D = {gallery.shape[1]} differs from the queries' D = {queries.shape[1]}")
     for start, _, ids in _knn_chunks(queries, gallery, k, gallery is queries, use_faiss, QUERY_CHUNK):
         yield query_labels[start:start + ids.shape[0]], gallery_labels[ids]
 

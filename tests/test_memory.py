@@ -301,4 +301,3 @@ def test_rows_of_another_width_are_refused_before_the_memory_counts_a_call():
         with pytest.raises(ValueError, match=r"must be \[B, 4\] for this memory"):
             memory.memory_term(anchors, labels, ids, rows, labels, ids)
     assert memory.calls == 0
-

@@ -148,6 +148,7 @@ RANGE_PROGRAMS = 4
 MOST_GRID_Y = 65535  # CUDA's most blocks on a grid's second axis
 # half a multiprocessor's 64K registers: a program's share where two must fit on one
 TWO_PROGRAMS_REGISTERS = 65536 // 2
+ANCHOR_BLOCK = 1024  # anchors a program of the per-anchor launches (scales_kernel, capped_lifts_kernel)
 # the most a row holding other anchors' weights may be lifted: in the fused backward's self case, where
 # each weight is at most 1, absolutely; in the chunked one's whole rows, times the smallest anchor lift
 # (capped_lifts_kernel), which lifts the largest column weight to at most 1
@@ -265,8 +266,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
     capped = bool(chunk_bytes) and ref is None and not triangle
     column_lift = (torch.full((1,), 2.0 ** 64, dtype=torch.float32, device=x.device)
                    if copy or capped else norm)  # (the smallest anchor lift, for dref or `capped`; else never read)
-    block = 1024
-    scales = Launch(scales_kernel, (cdiv(num_x, block),),
+    scales = Launch(scales_kernel, (cdiv(num_x, ANCHOR_BLOCK),),
                     dict(grad_ptr=grad_loss, grad_stride=grad_loss.stride(0), grad_divisor=float(grad_divisor),
                          stats_ptr=stats, norm_ptr=norm, scale_ptr=scale, lift_ptr=anchor_scale,
                          column_lift_ptr=column_lift, num_anchors=num_x, alpha=alpha, beta=beta, base=base,
@@ -274,7 +274,7 @@ def backward_plan(grad_loss, stats, x, labels, ids, ref, ref_labels, ref_ids, al
                          LIFT_WITH_COLUMN_ANCHORS if ref is None and not capped else 2.0 ** 64),
                     dict(MINING=mining, SKIP_INCOMPLETE=skip_incomplete_anchors, COLUMN_LIFT=copy or capped,
                          HALF_LIFT=triangle,
-                         UNIFORM=uniform, BLOCK=block),
+                         UNIFORM=uniform, BLOCK=ANCHOR_BLOCK),
                     4, 1)
     shared = dict(stats_ptr=stats, scale_ptr=scale, num_anchors=num_x, dim=dim, alpha=alpha, beta=beta, base=base,
                   epsilon=epsilon)
@@ -394,10 +394,10 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     grad_ref = b.new_empty(num_b, dim, dtype=torch.float32) if copy else x.new_empty((0,))
     unlift, unlift_ref = norm.new_empty(lift.shape[0], 1), norm.new_empty(1, 1)
     if capped:  # (the self case's whole rows: scales_kernel took the smallest lift, backward_plan)
-        block = 1024
-        steps = [scales, Launch(capped_lifts_kernel, (cdiv(num_x, block),),
+        steps = [scales, Launch(capped_lifts_kernel, (cdiv(num_x, ANCHOR_BLOCK),),
                                 dict(lift_ptr=lift, least_lift_ptr=column_lift, norm_ptr=norm, unlift_ptr=unlift,
-                                     num_rows=num_x, headroom=LIFT_WITH_COLUMN_ANCHORS), dict(BLOCK=block), 4, 1)]
+                                     num_rows=num_x, headroom=LIFT_WITH_COLUMN_ANCHORS),
+                                dict(BLOCK=ANCHOR_BLOCK), 4, 1)]
     else:
         steps = [scales, Unlift(unlift, norm, lift)]
     half = _padded(dim)
