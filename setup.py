@@ -20,7 +20,9 @@ cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
 # exponent, which scales every weight of an anchor: at |beta S| = 45,000 (unnormalised rows of norm 30)
 # that is many times the reference's gradient error; uncontracted, the kernel's error is the
 # reference's. It costs no measurable time.
-cxx_flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# -g0: no debug information, which Python's own compile flags (-g) ask for; for the torch headers it
+# takes twice the compile time of the code (a fresh build: about 50 s rather than 90 on 2 cores).
+cxx_flags = ["-O3", "-g0", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 
 
 def want_cuda():

@@ -13,9 +13,30 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # before they are first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETER_CHANGED = False
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import fast_interpreter
+
+    INTERPRETER_CHANGED = fast_interpreter.install()
 
 from ms_loss_cuda import multi_similarity_loss, ops  # noqa: E402
 from ms_loss_cuda.reference import pair_masks  # noqa: E402
+
+
+@pytest.fixture
+def overflow_checked():
+    """The Triton interpreter's integer overflow checks, which the suite otherwise leaves off
+    (fast_interpreter), on for the test, an overflow raising: for kernels given keys or indices near
+    the int32 range."""
+    if not INTERPRETER_CHANGED:
+        yield
+        return
+    before = fast_interpreter.overflow_checks(True)
+    try:
+        yield
+    finally:
+        fast_interpreter.restore(before)
+
 
 # rtol of the loss and of the gradients (relative to their largest entry) per input dtype
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -7,9 +7,9 @@
   before the kernels are imported);
 - cuda: on CUDA tensors; needs a GPU and the CUDA kernels built (else skipped);
 - cuda_emulated: the CUDA backend's kernels and host logic (csrc/cuda/) built by the host compiler on
-  tests/cuda_emulation/cuda_on_cpu.h, every block's threads run as CPU threads: the thread mapping,
-  tiles, barriers and WMMA operand layouts of the CUDA kernels, checked without a GPU
-  (tests/test_cuda_compile.py checks what nvcc makes of them).
+  tests/cuda_emulation/cuda_on_cpu.h, every block's threads run as fibers of one CPU thread: the
+  thread mapping, tiles, barriers and WMMA operand layouts of the CUDA kernels, checked without a
+  GPU (tests/test_cuda_compile.py checks what nvcc makes of them).
 A test module that asks for `target` imports the fixtures from here.
 """
 import itertools

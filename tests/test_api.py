@@ -105,6 +105,7 @@ def test_flags_that_equal_a_bool_are_taken_as_one():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("overflow_checked")
 def test_keys_of_other_integer_dtypes_at_both_ends(backend):
     """Labels and ids of any integer dtype, a different one at each end (but uint64, which needs uint64
     opposite), are compared by value."""

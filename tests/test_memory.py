@@ -91,6 +91,7 @@ def test_matches_a_memory_kept_by_hand(monkeypatch, backend, reduction, normaliz
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the triton backend")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch,dim,keys", [(1, 3, torch.int32), (37, 130, torch.int64)])
+@pytest.mark.usefixtures("overflow_checked")
 def test_the_triton_store_is_index_copy(dtype, batch, dim, keys):
     """The one-call step's store (stored_rows_kernel): the rows, labels and ids at their slots of the
     memory, bit for bit as index_copy_ puts them (the keys widened to the memory's int64)."""

@@ -13,19 +13,26 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ms_loss_cuda import available_backends, multi_similarity_loss
 from ms_loss_cuda.common import unit_rows
 
-from conftest import (assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
+from conftest import (INTERPRETER_CHANGED, assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
                       make_batch, threshold_crossing, to)
 from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, gpu_tile_table,
                      in_turn, recorded_launches, triton_kernels)
 
 if triton_kernels is not None:
+    import triton
+    import triton.language as tl
+
     from ms_loss_cuda.triton_kernels import launcher, op, operands, row_kernels
+
+    @triton.jit
+    def _int32_sum_kernel(out_ptr, a, b):
+        tl.store(out_ptr, a + b)
 
 
 @pytest.mark.skipif(**TRITON_MISSING)
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("mining", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# (each dtype, mining on and off, each with one of the two gradient paths: one grad_output or one each)
+@pytest.mark.parametrize("dtype,mining,reduction", [(torch.float32, True, "mean"), (torch.float32, False, "none"),
+                                                    (torch.float16, True, "none"), (torch.float16, False, "mean")])
 def test_the_chunked_self_case_in_whole_rows_matches_reference(monkeypatch, dtype, mining, reduction):
     """Chunks shorter than TRIANGLE_ROWS take whole rows (each row of dx written once, each row's own
     lift): several chunks of one tile row each, where the triton_chunked target runs the triangle."""
@@ -68,6 +75,22 @@ def test_a_reference_set_past_int32_rows_is_refused(monkeypatch):
         operands.plan_operands(torch.randn(4, 16), torch.arange(4), None, ref, ref_labels, None)
 
 
+@pytest.mark.skipif(not INTERPRETER_CHANGED, reason="runs the interpreter as it ships (tests/fast_interpreter.py)")
+@pytest.mark.parametrize("checked", [False, True])
+def test_the_interpreters_overflow_checks_are_on_where_a_test_asks_for_them(request, checked):
+    """The suite runs the interpreter without its integer overflow checks, and the overflow_checked
+    fixture turns them on for a test: int32 2^31 - 1 + 1 wraps, or is refused."""
+    if checked:
+        request.getfixturevalue("overflow_checked")
+    out = torch.zeros(1, dtype=torch.int32)
+    if checked:
+        with pytest.raises(Exception, match="int32 overflow detected"):
+            _int32_sum_kernel[(1,)](out, 2 ** 31 - 1, 1)
+    else:
+        _int32_sum_kernel[(1,)](out, 2 ** 31 - 1, 1)
+        assert out.item() == -2 ** 31
+
+
 @pytest.mark.skipif(triton_kernels is None, reason="Triton missing")
 def test_identities_shared_across_labels_are_found():
     # (the flag that makes the self case's negatives kernel compare the caller's identities)
@@ -83,6 +106,7 @@ def test_identities_shared_across_labels_are_found():
 @pytest.mark.skipif(**TRITON_MISSING)
 @pytest.mark.parametrize("labels_dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint16,
                                           torch.uint32, torch.uint64])
+@pytest.mark.usefixtures("overflow_checked")
 def test_the_triton_self_case_keeps_its_label_order_for_the_backward(labels_dtype):
     """The self case's forward sorts the labels once and keeps the order and the sorted labels' ranks
     in its stats' last two rows (int32 bits), which the backward reads instead of sorting again; for
@@ -334,6 +358,7 @@ def test_positive_lists_hold_exactly_each_blocks_labels(batch, ref_rows, classes
     (300, 70, 64, torch.int64, torch.float16), (97, 40, 32, torch.uint8, torch.float32),
     (130, 3, 64, torch.int16, torch.bfloat16), (257, 257, 128, torch.int32, None), (1, 1, 64, torch.int64, torch.float32),
     (0, 1, 64, torch.int64, torch.float16)])
+@pytest.mark.usefixtures("overflow_checked")
 def test_the_label_order_kernel_sorts_ranks_and_copies_the_rows(monkeypatch, one_kernel_sort, batch, classes, block_m,
                                                                 keys_dtype, rows_dtype):
     """operands.label_order (a sort, then label_order_kernel): the stable order, the keys' ranks in the caller's

@@ -1,8 +1,14 @@
-// Just enough of CUDA, on the host, to run csrc/cuda/ms_loss_kernels.cuh on CPU threads: each block's
-// 128 threads are std::threads (blocks run one after another), __syncthreads is a barrier,
-// __shared__ arrays are function statics (one per kernel instantiation: the running block's), and
-// WMMA fragments hold the whole 16 x 16 tile in every lane, following the documented semantics of
-// load_matrix_sync (row_major / col_major with ldm), mma_sync and store_matrix_sync.
+// Just enough of CUDA, on the host, to run csrc/cuda/ms_loss_kernels.cuh on the CPU: a block's 128
+// threads are fibers of the launching thread (ucontext; blocks run one after another), each run up
+// to its next __syncthreads in turn, and a round of them ends the barrier; __shared__ arrays are
+// function statics (one per kernel instantiation: the running block's), and WMMA fragments hold the
+// whole 16 x 16 tile in every lane, following the documented semantics of load_matrix_sync
+// (row_major / col_major with ldm), mma_sync and store_matrix_sync.
+// The rounds take the threads in ascending order, then descending, and so on, and the blocks of odd
+// x + y start descending: a read of shared memory that misses the barrier after another thread's write
+// runs before that write in some of the blocks.
+// Fibers rather than threads: a barrier of 128 threads on two cores costs thousands of context
+// switches, and the same order on every run gives the same bits.
 // It checks what the kernels compute and how threads map to pairs; not timing, not warp-level
 // hazards, not the hardware's fragment layouts.
 #pragma once
@@ -10,10 +16,15 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <barrier>
+#include <ucontext.h>
+
 #include <cmath>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
 #include <type_traits>
+#include <vector>
 
 #define __global__
 #define __device__
@@ -44,11 +55,66 @@ inline thread_local dim3 threadIdx, blockIdx;
 
 namespace cuda_emulation {
 constexpr int kMaxThreads = 1024;
-inline std::barrier<>* block_barrier = nullptr;
+constexpr size_t kStackBytes = 256 * 1024;
 inline float shuffle_slots[kMaxThreads];
+
+// The running block: its fibers, the launching thread's context they return to, the body they run.
+struct Block {
+  ucontext_t launcher;
+  std::vector<ucontext_t> fibers;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  std::vector<bool> done;
+  std::function<void()> body;
+  std::exception_ptr error;
+  int current = 0;
+};
+inline thread_local Block block;
+
+inline void fiber_entry() {
+  try {
+    block.body();
+  } catch (...) {
+    if (!block.error) block.error = std::current_exception();
+  }
+  block.done[block.current] = true;  // (returns to uc_link: the launcher)
+}
+
+// Runs body as `threads` threads of block `index`, each to its end.
+inline void run_block(unsigned threads, dim3 index, std::function<void()> body) {
+  block.body = std::move(body);
+  block.error = nullptr;
+  block.fibers.resize(threads);
+  block.done.assign(threads, false);
+  while (block.stacks.size() < threads) block.stacks.push_back(std::make_unique<char[]>(kStackBytes));
+  for (unsigned t = 0; t < threads; ++t) {
+    ucontext_t& fiber = block.fibers[t];
+    getcontext(&fiber);
+    fiber.uc_stack.ss_sp = block.stacks[t].get();
+    fiber.uc_stack.ss_size = kStackBytes;
+    fiber.uc_link = &block.launcher;
+    makecontext(&fiber, fiber_entry, 0);
+  }
+  blockIdx = index;
+  for (bool ascending = (index.x + index.y) % 2 == 0, running = true; running; ascending = !ascending) {
+    running = false;
+    for (unsigned i = 0; i < threads; ++i) {
+      const unsigned t = ascending ? i : threads - 1 - i;
+      if (block.done[t]) continue;
+      block.current = int(t);
+      threadIdx = dim3(t);
+      swapcontext(&block.launcher, &block.fibers[t]);
+      running = running || !block.done[t];
+    }
+  }
+  if (block.error) std::rethrow_exception(block.error);
+}
 }  // namespace cuda_emulation
 
-inline void __syncthreads() { cuda_emulation::block_barrier->arrive_and_wait(); }
+// Every thread of the block must call it at the same points (as on a GPU): this thread's turn ends.
+inline void __syncthreads() {
+  using cuda_emulation::block;
+  swapcontext(&block.fibers[block.current], &block.launcher);
+}
 
 // Every thread of the block must call it at the same point (true of the kernels' uses).
 inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {

@@ -1,12 +1,9 @@
 // The CUDA backend's kernels and host logic (csrc/cuda/ms_loss_kernels.cuh), built by a host compiler
 // on top of cuda_on_cpu.h, registered as torch.ops.ms_loss_cuda_emulated.ms_loss_forward/_backward
-// for CPU tensors. Built and run by tests/test_gpu_backends.py (target cuda_emulated).
+// for CPU tensors. Built and run by tests/targets.py (target cuda_emulated).
 #include "cuda_on_cpu.h"
 
 #include <torch/library.h>
-
-#include <thread>
-#include <vector>
 
 #include "cuda/ms_loss_kernels.cuh"
 #include "ms_loss_schema.h"
@@ -27,18 +24,7 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, Args... args) {
   (check_alignment(args), ...);
   for (unsigned y = 0; y < grid.y; ++y)
-    for (unsigned x = 0; x < grid.x; ++x) {
-      std::barrier<> barrier(kThreads);
-      cuda_emulation::block_barrier = &barrier;
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < unsigned(kThreads); ++t)
-        threads.emplace_back([&, t] {
-          threadIdx = dim3(t);
-          blockIdx = dim3(x, y);
-          kernel(args...);
-        });
-      for (std::thread& thread : threads) thread.join();
-    }
+    for (unsigned x = 0; x < grid.x; ++x) cuda_emulation::run_block(kThreads, dim3(x, y), [&] { kernel(args...); });
 }
 
 }  // namespace ms_loss_cuda_kernels
