@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ms_loss_cuda import available_backends, multi_similarity_loss
 from ms_loss_cuda.common import unit_rows
 
-from conftest import (INTERPRETER_CHANGED, assert_close, build_case, check_against_reference, label_order_by_torch, loss_and_grads,
-                      make_batch, threshold_crossing, to)
+from conftest import (INTERPRETER_CHANGED, assert_close, build_case, check_against_reference, label_order_by_torch,
+                      loss_and_grads, make_batch, threshold_crossing, to)
 from targets import (DEVICE, REDUCTIONS, TOLERANCE, TRITON_MISSING, Target, check, chunk_choices, gpu_tile_table,
                      in_turn, recorded_launches, triton_kernels)
 
