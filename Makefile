@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 .PHONY: test demo bench build venv clean gpu-check train-demo experiment
 
 # A torch that $(PYTHON) already has (a GPU user's own build) is reused through the system
-# site-packages; otherwise the venv gets the pinned CPU build.
+# site-packages; otherwise the venv gets the pinned torch (the CPU build where pip's index serves it).
 $(VENV)/.deps: requirements-dev.txt
 	test -x $(PY) || { if $(PYTHON) -c "import torch" 2>/dev/null; \
 	  then $(PYTHON) -m venv --system-site-packages $(VENV); else $(PYTHON) -m venv $(VENV); fi; }
@@ -29,8 +29,8 @@ $(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.cpp csrc
 
 build: $(VENV)/.built
 
-# One pytest-xdist worker a core, each with one intra-op thread (two of two threads each on two cores
-# spent a sixth of the suite's CPU time spinning: 8.8 min against 7.4); each compile check's module
+# One pytest-xdist worker a core, each with one intra-op thread (two threads each on two cores spend a
+# sixth of the suite's CPU time spinning); each compile check's module
 # stays on one worker (loadgroup).
 test: build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup tests

@@ -156,15 +156,26 @@ def reduce_losses(losses, reduction):
     return losses.mean() if reduction == "mean" and losses.shape[0] else losses.sum()
 
 
-def nan_if_nonfinite(loss, *inputs):
-    """NaN or Inf anywhere in the embeddings makes the result NaN (never a finite number). Checked on each
-    tensor's extremes, which NaN propagates to: one pass without a temporary of the tensor's size, where
-    torch.isfinite(t).all() makes a boolean one and reads it again. Each extreme is added times 0 (alpha=0: 0,
-    or NaN where it is not finite): three ops in the self case, none in the backward (each op is a GPU launch
-    that costs host time)."""
+def nan_if_nonfinite(loss, *inputs, as_they_are=False):
+    """NaN or Inf anywhere in the rows compared makes the result NaN (never a finite number); unit rows
+    hold NaN where the input held NaN or Inf, or where a row's norm passes the compute dtype's range.
+    Checked on each tensor's extremes, which NaN propagates to: one pass without a temporary of the
+    tensor's size, where torch.isfinite(t).all() makes a boolean one and reads it again. Each extreme is
+    added times 0 (alpha=0: 0, or NaN where it is not finite): three ops in the self case, none in the
+    backward (each op is a GPU launch that costs host time).
+    `as_they_are` (normalize=False): the extreme is the largest squared row norm (four ops a tensor),
+    so that a row whose squared norm passes the compute dtype's range makes the result NaN as well. Its
+    similarities may overflow, and a NaN similarity (inf - inf in a product) fails every mining
+    comparison, which would drop its pairs and leave a finite, wrong loss; below that range every
+    similarity is bounded by the product of two finite norms."""
     for t in inputs:
         if t is not None and t.numel() > 0:
-            for extreme in torch.aminmax(t.detach()):
+            t = t.detach()
+            if as_they_are:
+                largest = torch.linalg.vector_norm(t, dim=1, dtype=compute_dtype(t)).amax()
+                loss = torch.add(loss, largest.square(), alpha=0)
+                continue
+            for extreme in torch.aminmax(t):
                 loss = torch.add(loss, extreme, alpha=0)
     return loss
 
@@ -187,10 +198,11 @@ def unit_rows(t):
 
 def _row_norms(t):
     """max(|t_i|, 1e-12) per row, in float32 (float64 for float64), the squares summed in
-    squares_dtype: only a norm beyond float32's range itself is lost (F.normalize makes a float32
-    row of norm above about 1.8e19 zero)."""
-    norms = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=squares_dtype(t.dtype))
-    return norms.to(compute_dtype(t)).clamp_min(1e-12)
+    squares_dtype, so that a float32 row of norm above about 1.8e19 keeps its norm, where F.normalize
+    makes it zero. A norm beyond float32's range itself is NaN rather than inf: its row would divide
+    to zeros, a finite row that is not its unit row, where NaN makes the loss NaN (nan_if_nonfinite)."""
+    norms = torch.linalg.vector_norm(t, dim=1, keepdim=True, dtype=squares_dtype(t.dtype)).to(compute_dtype(t))
+    return torch.add(norms, norms, alpha=0).clamp_min(1e-12)  # (inf + 0 * inf: NaN)
 
 
 class _UnitRows(torch.autograd.Function):
@@ -263,4 +275,4 @@ class Backend:
             r = None if r is None else self.unit_rows(r)
         losses = self.anchor_losses(x, labels, ids, r, ref_labels, ref_ids, options)
         loss = reduce_losses(losses, reduction)  # float32 (float64) sums, then the embeddings' dtype
-        return nan_if_nonfinite(loss, embeddings, ref).to(loss_dtype(embeddings))
+        return nan_if_nonfinite(loss, x, r, as_they_are=not normalize).to(loss_dtype(embeddings))

@@ -8,7 +8,7 @@ loss on the concatenated batch. The value returned on every rank is that single-
 import torch
 import torch.distributed as dist
 
-from .common import loss_dtype
+from .common import check_inputs, loss_dtype
 from .loss import multi_similarity_loss as _multi_similarity_loss, normalized_rows
 
 __all__ = ["gather", "multi_similarity_loss"]
@@ -71,6 +71,7 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
     memory, and adds its term for this rank's anchors, reduced over the global batch like the rest.
     """
     _require_process_group()
+    check_inputs(embeddings, labels, None, None, ids, None)  # (before the gather, which would fail on them less clearly)
     if memory is not None:
         if loss_options:
             raise ValueError(f"with a memory the loss options are the memory's own, got {sorted(loss_options)}")

@@ -124,6 +124,9 @@ def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None)
     if chunk is not None and (not _is_one_integer(chunk) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"chunk must be an integer >= 1 (or None: {QUERY_CHUNK}), got {chunk!r}")
     queries, gallery = queries.detach().float(), gallery.detach().float()
+    for name, rows in (("queries", queries), ("gallery", gallery)):
+        if not torch.isfinite(rows).all():
+            raise ValueError(f"{name} hold NaN or infinite values (a diverged model?): they have no nearest neighbours")
     parts = list(_knn_chunks(queries, gallery, operator.index(k), leave_one_out, use_faiss, chunk or QUERY_CHUNK))
     if not parts:  # (no queries)
         return torch.empty(0, k), torch.empty(0, k, dtype=torch.int64)

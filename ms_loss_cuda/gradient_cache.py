@@ -13,6 +13,7 @@ pass. Random operations inside the encoder (dropout) replay the same random numb
 on the CPU and on the current GPU.
 """
 import contextlib
+import numbers
 
 import torch
 
@@ -55,8 +56,8 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     model: the module `encode` runs, where `encode` is not that module itself: its buffers (batch-norm
     running statistics) are put back as they were after the first pass, which then leaves no trace.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     if len(inputs) == 0:
         raise ValueError("cached_step needs a batch of at least one input")
     starts = range(0, len(inputs), chunk_size)

@@ -62,6 +62,8 @@ class CrossBatchMemory(torch.nn.Module):
             raise TypeError(f"unknown loss options {unknown}; CrossBatchMemory takes {_LOSS_OPTIONS}")
         size, dim, warmup = (_integer(name, value, least) for name, value, least in
                              (("size", size, 1), ("dim", dim, 1), ("warmup", warmup, 0)))
+        if isinstance(weight, torch.Tensor) and weight.requires_grad:
+            raise TypeError("weight must be a number or a tensor that does not require grad: it gets no gradient")
         try:  # (a number, or a 0-d tensor)
             number = None if is_boolean(weight) or isinstance(weight, (str, bytes)) else float(weight)
         except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -138,23 +140,34 @@ class CrossBatchMemory(torch.nn.Module):
                 f"normalises and compares them as normalised: a memory saved with normalize=False? Build this one "
                 f"with normalize=False, or drop the memory's entries from the state dict to start a new one")
 
-    def _check_rows(self, name, rows):
+    def _check_rows(self, name, rows, labels=None, ids=None, stored=True):
+        """Rows of this memory's D; `stored`: rows the memory stores, with their keys, checked as a loss
+        call's (check_inputs), with ids, keys that int64 holds, and the dtype of the rows stored already."""
         if rows.dim() != 2 or rows.shape[1] != self.dim:
             raise ValueError(f"{name} must be [B, {self.dim}] for this memory, got {tuple(rows.shape)}")
+        if not stored:
+            return
+        if ids is None:
+            raise ValueError("CrossBatchMemory needs ids (one per sample, stable across steps): pairs of equal id "
+                             "are skipped, which is how a sample never meets its own stored copies")
+        check_inputs(rows, labels, None, None, ids, None)
+        for key_name, keys in (("labels", labels), ("ids", ids)):
+            if keys.dtype == torch.uint64:  # (the memory keeps its keys as int64)
+                raise TypeError(f"CrossBatchMemory stores {key_name} as int64, where uint64 values of 2^63 and more "
+                                f"would wrap: pass {key_name} as int64")
+        if rows.device.type == "meta":
+            raise ValueError("CrossBatchMemory stores the rows it is given, which a meta tensor has none of")
+        if self.filled and rows.dtype != self.embeddings.dtype:
+            raise TypeError(f"this memory holds {self.embeddings.dtype} rows, which {name} of {rows.dtype} would "
+                            f"store over and compare in their own dtype: keep one dtype from step to step, or "
+                            f"start a new memory")
 
     # The ring's position, fill and call count are host integers that change at every step: a compiled
     # graph would be specialised on them and recompiled at each step until torch.compile gives up. So the
     # memory runs eagerly inside a compiled function (a graph break; the loss it calls is fused anyway).
     @torch.compiler.disable
     def forward(self, embeddings, labels, ids):
-        if ids is None:
-            raise ValueError("CrossBatchMemory needs ids (one per sample, stable across steps): pairs of equal id "
-                             "are skipped, which is how a sample never meets its own stored copies")
-        self._check_rows("embeddings", embeddings)
-        for name, keys in (("labels", labels), ("ids", ids)):
-            if getattr(keys, "dtype", None) == torch.uint64:  # (the memory keeps its keys as int64)
-                raise TypeError(f"CrossBatchMemory stores {name} as int64, where uint64 values of 2^63 and more "
-                                f"would wrap: pass {name} as int64")
+        self._check_rows("embeddings", embeddings, labels, ids)
         loss = self._one_call(embeddings, labels, ids)
         if loss is not None:
             return loss
@@ -169,8 +182,8 @@ class CrossBatchMemory(torch.nn.Module):
         """Stores `rows` (detached; this batch, or the global batch of several processes), then returns
         the MS loss of the anchors `x` (normalised already when the memory normalises) against the
         memory, or None during the warm-up calls. `loss_options` override the memory's own."""
-        self._check_rows("rows", rows)
-        self._check_rows("anchors", x)
+        self._check_rows("rows", rows, row_labels, row_ids)
+        self._check_rows("anchors", x, stored=False)
         self.calls += 1
         if self.calls <= self.warmup:
             return None
@@ -186,8 +199,7 @@ class CrossBatchMemory(torch.nn.Module):
         batch's device and dtype)."""
         if self.calls < self.warmup or embeddings.shape[0] > self.size:
             return None
-        options = dict(_DEFAULTS, **self.loss_options)
-        check_inputs(embeddings, labels, None, None, ids, None)
+        options = dict(_DEFAULTS, **self.loss_options)  # (forward checked the inputs)
         hyper_parameters = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
         backend = backends.resolve(options["backend"], embeddings.device, embeddings.dtype)
         self._place(embeddings)

@@ -155,3 +155,16 @@ def test_an_empty_global_batch_gives_zero(tmp_path, reduction):
     finally:
         dist.destroy_process_group()
     assert loss.item() == 0 and x.grad.shape == (0, 4)
+
+
+def test_bad_input_is_named_before_the_gather(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        cases = ((None, None, TypeError, "labels"),
+                 (torch.arange(3), None, ValueError, r"labels must have shape \[4\]"),
+                 (torch.arange(4), torch.arange(2), ValueError, r"ids must have shape \[4\]"))
+        for labels, ids, error, match in cases:
+            with pytest.raises(error, match=match):
+                distributed.multi_similarity_loss(torch.randn(4, 3), labels, ids)
+    finally:
+        dist.destroy_process_group()

@@ -151,6 +151,9 @@ def test_a_row_that_is_not_finite_is_refused(use_faiss):
         with pytest.raises(ValueError, match="gallery hold NaN or infinite"):
             evaluation.map_at_r(x[:3].abs().nan_to_num(), labels[:3], gallery=x, gallery_labels=labels,
                                 use_faiss=use_faiss)
+        for queries, gallery, name in ((x, x.nan_to_num(), "queries"), (x[:3].nan_to_num(), x, "gallery")):
+            with pytest.raises(ValueError, match=f"{name} hold NaN or infinite"):
+                evaluation.knn(queries, gallery, 2, use_faiss=use_faiss)
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16])

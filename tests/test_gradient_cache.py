@@ -130,8 +130,9 @@ def test_dropout_on_the_gpu_replays_for_inputs_that_the_encoder_moves_there():
 
 
 def test_bad_chunk_size_and_empty_batch():
-    with pytest.raises(ValueError, match="chunk_size"):
-        gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(), 0)
+    for chunk_size in (0, 2.5, None, "4", True):
+        with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
+            gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(), chunk_size)
     with pytest.raises(ValueError, match="at least one input"):
         gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(0, 2), lambda e: e.sum(), 4)
     with pytest.raises(ValueError, match=r"a scalar loss .*, got \(3,\)"):

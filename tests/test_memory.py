@@ -270,6 +270,37 @@ def test_bad_input():
         memory(torch.randn(3, 5), labels, torch.arange(3))
     with pytest.raises(TypeError, match="stores labels as int64"):
         memory(x, labels.to(torch.uint64), torch.arange(3))
+    with pytest.raises(TypeError, match="weight must be a number or a tensor that does not require grad"):
+        CrossBatchMemory(4, 4, weight=torch.tensor(0.5, requires_grad=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_stored_rows_keep_their_dtype_and_survive_a_refused_batch(backend, normalize):
+    """A batch of another dtype than the rows stored, or on the meta device, is refused before anything
+    is stored or counted: storing it would round the memory into its dtype (float32 rows of 7e4 become
+    inf in float16, and NaN the losses of the steps after) or leave it without data."""
+    memory = CrossBatchMemory(8, 4, backend=backend, normalize=normalize)
+    labels, ids = torch.tensor([0, 1, 0]), torch.arange(3)
+    memory(torch.randn(3, 4) * 7e4, labels, ids)
+    stored = memory.embeddings.clone()
+    for bad in (torch.randn(3, 4).half(), torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, device="meta")):
+        with pytest.raises((TypeError, ValueError), match="this memory holds torch.float32 rows|a meta tensor"):
+            memory(bad, labels.to(bad.device), ids.to(bad.device))
+    assert memory.calls == 1 and torch.equal(memory.embeddings, stored)
+    assert torch.isfinite(memory(torch.randn(3, 4), labels, ids + 3))
+
+
+def test_memory_term_checks_the_keys_it_stores_as_forward_does():
+    """memory_term (the distributed loss's way in) checks the keys of the rows it stores before it
+    counts the call: their length, their dtype, and ids at all."""
+    memory = CrossBatchMemory(8, 4, backend="reference")
+    x, labels, ids = torch.randn(3, 4), torch.tensor([0, 1, 0]), torch.arange(3)
+    for row_labels, row_ids, error in ((labels[:2], ids, ValueError), (labels.float(), ids, TypeError),
+                                       (labels, ids.to(torch.uint64), TypeError), (labels, None, ValueError)):
+        with pytest.raises(error):
+            memory.memory_term(x, labels, ids, x, row_labels, row_ids)
+    assert memory.calls == 0 and memory.filled == 0
 
 
 def test_a_saved_state_that_does_not_fit_the_memory_is_refused():

@@ -353,6 +353,44 @@ def test_non_finite_embeddings_give_nan_and_huge_finite_ones_do_not(target, case
         assert (torch.isfinite(loss) if bad == 3e38 else torch.isnan(loss)).all(), (reduction, loss)
 
 
+@pytest.mark.parametrize("case", ["self", "ref"])
+@pytest.mark.parametrize("normalize,entry", [(False, 2e19), (True, 3e38)])
+def test_finite_rows_past_float32s_range_give_nan(target, case, normalize, entry):
+    """Finite rows whose similarities pass float32's range (compared as they are: x_3 . x_4 = 8e38) or
+    whose norm does (normalised: 4.2e38) make the loss NaN. Otherwise the similarity is NaN (inf - inf
+    in x_3 . x_5), fails every mining comparison and drops its pairs, or the row divides to zeros:
+    a finite, wrong loss."""
+    x, labels = make_batch(12, 4, 3, dtype=torch.float32)
+    ref, ref_labels = make_batch(9, 4, 3, dtype=torch.float32, seed=1) if case == "ref" else (None, None)
+    for rows in (x,) if ref is None else (x, ref):
+        for row, signs in ((3, (1, 1)), (4, (1, 1)), (5, (1, -1))):
+            rows[row, :2] = torch.tensor(signs, dtype=torch.float32) * entry
+    bank = {} if ref is None else dict(ref_embeddings=ref.to(target.device), ref_labels=ref_labels.to(target.device))
+    for reduction, requires_grad in (("mean", True), ("sum", False)):
+        embeddings = x.to(target.device).requires_grad_(requires_grad)
+        loss = multi_similarity_loss(embeddings, labels.to(target.device), backend=target.backend,
+                                     normalize=normalize, reduction=reduction, **bank)
+        assert torch.isnan(loss), (reduction, loss)
+
+
+@pytest.mark.parametrize("case", ["self", "ref"])
+def test_unnormalised_rows_of_large_norm_give_the_reference_loss(target, case):
+    """Rows compared as they are at norm 1e5 (exponents of about 5e11, whose float32 rounding is 2^16):
+    every anchor's loss within float32's precision of the float64 reference, never below 0, however each
+    kernel rounds the exponent of the hardest pair, which the shift and the sums must agree on."""
+    x, labels = make_batch(40, 8, 4, dtype=torch.float32)
+    x, bank = F.normalize(x, dim=1) * 1e5, {}
+    if case == "ref":
+        ref, ref_labels = make_batch(30, 8, 4, dtype=torch.float32, seed=1)
+        bank = dict(ref_embeddings=F.normalize(ref, dim=1) * 1e5, ref_labels=ref_labels)
+    expected = multi_similarity_loss(x.double(), labels, normalize=False, reduction="none", backend="reference",
+                                     **to(bank, "cpu", torch.float64))
+    loss = multi_similarity_loss(x.to(target.device), labels.to(target.device), normalize=False, reduction="none",
+                                 backend=target.backend, **to(bank, target.device)).cpu()
+    assert expected.max() > 1e10 and (loss >= 0).all(), loss
+    assert_close(loss, expected, 1e-6)
+
+
 def test_int64_keys_beyond_the_int32_range(target):
     # Keys equal in their low 32 bits: a kernel that truncated them would merge every class.
     kwargs = build_case("ref_ids", 61, 16, torch.float32, seed=13)

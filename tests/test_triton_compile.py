@@ -100,8 +100,9 @@ def test_every_product_uses_tensor_cores(records):
 
 
 def test_blackwell_gets_every_launch_of_hopper(records):
-    """sm_100 and sm_120 take the tile table's entries for capability 9.0 and up: each launch of the
-    float16 and float32 step at D = 512 compiles for them."""
+    """sm_100 and sm_120 take the tile table's entries for capability 9.0 and up (sm_120 with its own
+    K steps and float32 column blocks): each launch of the float16 and float32 step at D = 512
+    compiles for them."""
     for dtype in ("float16", "float32"):
         hopper = {r["kernel"] for r in records
                   if r["dtype"] == dtype and r["cc"] == 90 and r["dim"] == 512 and r["mining"] and not r["skip"]}

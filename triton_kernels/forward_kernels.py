@@ -249,10 +249,11 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
     if SKIP_RANGE:
         maxneg = tl.maximum(maxneg, tl.load(minpos_ptr + num_x + rows, mask=row_ok, other=-float("inf")))
     # the final shifts: the exponents of the hardest mined pairs (shifts), never below the splits'
-    # shift (up to a few ulps of rounding), so the range's negatives are summed at a fixed shift, as the
-    # positives are
+    # shift but for the rounding of exponents recomputed from S, so the range's negatives are summed at
+    # a fixed shift, as the positives are. No term exceeds 1 (exponent 0) but by that rounding, which
+    # rows of large norm (normalize=False) make large enough to overflow the sums: it is cut off there
     shift_p, shift = shifts(minpos, maxneg, alpha, beta, base, epsilon, MINING)
-    sum_n *= tl.exp(shift_n - shift)
+    sum_n *= tl.exp(tl.minimum(shift_n - shift, 0.0))
     sum_p = tl.zeros((BLOCK_M,), tl.float32)
     range_end = tl.load(range_ptr + 2 * tl.program_id(0) + 1)
     for start in range(tl.load(range_ptr + 2 * tl.program_id(0)), range_end, BLOCK_N):
@@ -262,12 +263,15 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         if SKIP_RANGE:
             unused_s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
-            sum_n += tl.sum(tl.exp(beta * (mined - base) - shift[:, None]), axis=1)
+            sum_n += tl.sum(tl.exp(tl.minimum(beta * (mined - base) - shift[:, None], 0.0)), axis=1)
         if MINING:
             positive = positive & (s - epsilon < maxneg[:, None])
-        sum_p += tl.sum(tl.where(positive, tl.exp(-alpha * (s - base) - shift_p[:, None]), 0.0), axis=1)
-    lp = shift_p + tl.log(tl.exp(-shift_p) + sum_p)
-    ln = shift + tl.log(tl.exp(-shift) + sum_n)
+        sum_p += tl.sum(tl.where(positive, tl.exp(tl.minimum(-alpha * (s - base) - shift_p[:, None], 0.0)), 0.0),
+                        axis=1)
+    # exp(-m) + sum is at least 1: m is 0, or the exponent of a pair of the set, whose term is 1 but for
+    # the rounding of its exponent recomputed from S, which can send it to 0 at large norms
+    lp = shift_p + tl.log(tl.maximum(tl.exp(-shift_p) + sum_p, 1.0))
+    ln = shift + tl.log(tl.maximum(tl.exp(-shift) + sum_n, 1.0))
     counts = anchor_counts(minpos, maxneg, epsilon, MINING, SKIP_INCOMPLETE)
     tl.store(loss_ptr + rows, tl.where(counts, lp / alpha + ln / beta, 0.0), mask=row_ok)
     tl.store(stats_ptr + rows, minpos, mask=row_ok)

@@ -147,10 +147,10 @@ def _reference_rows(x, ref, normalize, ref_grad):
 def _reduced(losses, reduction, dtype, x, ref, finite):
     """The loss as multi_similarity_loss returns it: reduced, NaN where an input row is not finite, in
     `dtype`. `finite`: unit_rows_plan's counts of rows with a NaN or an infinity (None for each input
-    when the rows were not normalised: then nan_if_nonfinite looks at the inputs)."""
+    when the rows were not normalised: then nan_if_nonfinite looks at the inputs, as they are)."""
     loss = reduce_losses(losses, reduction)
     if all(f is None for f in finite):
-        return nan_if_nonfinite(loss, x, ref).to(dtype)
+        return nan_if_nonfinite(loss, x, ref, as_they_are=True).to(dtype)
     for count in finite:
         loss = loss if count is None else torch.add(loss, count.sum())
     return loss.to(dtype)
@@ -232,7 +232,8 @@ def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, me
         terms.append(reduce_losses(losses, reduction))
         grads.append(_gradients(saved, ones, hyper_parameters, reduction, (True, False), True, rows_in_label_order,
                                 normalize)[0])
-    loss = nan_if_nonfinite(torch.add(*terms, alpha=weight), bank[0], None if normalize else a)
+    loss = nan_if_nonfinite(torch.add(*terms, alpha=weight), bank[0], None if normalize else a,
+                            as_they_are=not normalize)
     da = torch.add(*grads, alpha=weight)
     if normalize:
         loss = torch.add(loss, a_finite.sum())

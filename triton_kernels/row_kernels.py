@@ -39,8 +39,9 @@ def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUM
     """y = t / max(|t|, 1e-12) row by row, and that clamped norm (float32): ms_loss_cuda.common.unit_rows
     in one launch where torch's ops take four (the norm, its clamp and cast, the division). WIDE_SUMS (float32
     and bfloat16 rows): the squares summed in float64, as there (float32's overflow from 1.8e19 on).
-    finite: 0 for a row of finite values, NaN for one with a NaN or an infinity (the sum of t * 0),
-    which the eager loss adds to its result instead of reading t again. ROWS False: no rows, y holds the
+    finite: 0 for a row of finite values, NaN for one with a NaN or an infinity (the sum of t * 0) or
+    whose norm passes float32's range (its row would divide to zeros), which the eager loss adds to its
+    result instead of reading t again. ROWS False: no rows, y holds the
     norms' reciprocals ([num_rows] float32: a memory bank whose tiles the kernels scale by them,
     pairs.pair_tile)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -59,6 +60,7 @@ def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUM
     else:
         norm = tl.sqrt_rn(squares)
     norm = tl.maximum(norm, 1e-12)
+    finite += norm * 0.0  # (inf * 0: NaN)
     tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
     tl.store(finite_ptr + rows, finite, mask=rows < num_rows)
     if ROWS:
