@@ -109,10 +109,22 @@ def test_bad_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit, match=message):
             main(["--data", "features", "--train-features", str(tmp_path / name), "--test-features",
                   str(tmp_path / name), "--out", str(tmp_path / "run")])
-    with pytest.raises(FileNotFoundError, match="Ebay_train.txt"):
+    with pytest.raises(SystemExit, match="Ebay_train.txt, which does not exist"):
         main(["--data", "sop", "--root", str(tmp_path), "--out", str(tmp_path / "run")])
-    with pytest.raises(SystemExit):  # argparse's usage error (exit status 2)
-        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--ks", 0, 1))
+    with pytest.raises(SystemExit, match="nope.pt, which does not exist"):
+        main(["--data", "features", "--train-features", str(tmp_path / "nope.pt"), "--test-features",
+              str(tmp_path / "nope.pt"), "--out", str(tmp_path / "run")])
+    capsys.readouterr()
+    for option, value, message in (("--ks", 0, "--ks: every k must be at least 1"),
+                                   ("--steps", 0, "--steps must be at least 1, got 0"),
+                                   ("--per-class", 1, "--per-class must be at least 2, got 1"),
+                                   ("--warmup-steps", -3, "--warmup-steps must be at least 0, got -3"),
+                                   ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
+                                   ("--memory-weight", -1, "--memory-weight must be a finite number >= 0"),
+                                   ("--alpha", -1, "--alpha must be at least float32's smallest normal number")):
+        with pytest.raises(SystemExit):  # argparse's usage error (exit status 2), before any data is read
+            main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, option, value))
+        assert message in capsys.readouterr().err
 
 
 def test_missing_training_extras_are_named_when_the_command_is_imported():

@@ -80,6 +80,10 @@ def test_read_features(tmp_path):
         data.read_features(str(tmp_path / "x.npy"))
     with pytest.raises(FileNotFoundError, match="nope.npy"):
         data.read_features(str(tmp_path / "x.npy"), str(tmp_path / "nope.npy"))
+    x[4, 1] = np.nan
+    np.save(tmp_path / "nan.npy", x)
+    with pytest.raises(ValueError, match=r"nan.npy: features must be finite; 1 row\(s\) hold NaN .* row 4"):
+        data.read_features(str(tmp_path / "nan.npy"), str(tmp_path / "y.npy"))
     (tmp_path / "x.csv").write_text("1,2\n")
     with pytest.raises(ValueError, match=r"x.csv: features and labels are read from \.npy or \.pt"):
         data.read_features(str(tmp_path / "x.csv"), str(tmp_path / "y.npy"))

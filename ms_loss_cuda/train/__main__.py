@@ -31,6 +31,7 @@ if _MISSING:
 
 import ms_loss_cuda  # noqa: E402
 from ms_loss_cuda import distributed, evaluation, gradient_cache, reference  # noqa: E402
+from ms_loss_cuda.common import check_hyper_parameters  # noqa: E402
 from ms_loss_cuda.train import checkpoint, data, kanji, models  # noqa: E402
 
 DATA_SETS = ("kanji", "sop", "folders", "features")
@@ -126,14 +127,36 @@ def build_parser():
     return p
 
 
+def _check_numbers(parser, args):
+    """parser.error for a count or a rate the run cannot use, and for the loss's hyper-parameters that
+    the loss would refuse at its first call."""
+    least = dict(steps=1, dim=1, width=1, hidden=1, eval_batch=1, image_size=1, workers=0, chunk_size=0,
+                 warmup_steps=0, eval_every=0, checkpoint_every=0, memory_size=0, memory_warmup=0)
+    for name, value in least.items():
+        if getattr(args, name) is not None and getattr(args, name) < value:
+            parser.error(f"--{name.replace('_', '-')} must be at least {value}, got {getattr(args, name)}")
+    rates = dict(lr=(args.lr, False), weight_decay=(args.weight_decay, True), gamma=(args.gamma, False),
+                 memory_weight=(args.memory_weight, True))
+    for name, (value, zero) in rates.items():
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number {'>= 0' if zero else '> 0'}, got {value}")
+    try:
+        check_hyper_parameters(args.alpha, args.beta, args.base, args.epsilon, "mean")
+    except ValueError as error:
+        parser.error(f"--{error}")
+
+
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if min(args.ks) < 1:
         parser.error(f"--ks: every k must be at least 1, got {' '.join(map(str, args.ks))}")
-    if args.per_class < 1 or args.batch_size < 1 or args.batch_size % args.per_class:
+    if args.per_class < 2:
+        parser.error(f"--per-class must be at least 2, got {args.per_class}: a class of one sample has no positive pair")
+    if args.batch_size < 1 or args.batch_size % args.per_class:
         parser.error(f"--batch-size ({args.batch_size}) must be a positive multiple of --per-class "
                      f"({args.per_class}): a batch is classes of --per-class samples each")
+    _check_numbers(parser, args)
     if args.backbone is None:
         args.backbone = "linear" if args.data == "features" else "convnet"
     if args.image_size is None:
@@ -191,14 +214,17 @@ def load_data(args):
         try:
             return [TensorData(*data.read_features(f, l)) for f, l in ((args.train_features, args.train_labels),
                                                                        (args.test_features, args.test_labels))]
-        except ValueError as error:  # (a file that holds no features or labels of the right kind)
+        except (ValueError, FileNotFoundError) as error:  # (a missing file, or one that holds no features or labels)
             raise SystemExit(str(error)) from None
     if not args.root:
         raise SystemExit(f"--data {args.data} needs --root")
-    if args.data == "sop":
-        splits = [data.read_sop(args.root, split) for split in ("train", "test")]
-    else:
-        splits = [data.read_folders(os.path.join(args.root, split))[:2] for split in ("train", "test")]
+    try:
+        if args.data == "sop":
+            splits = [data.read_sop(args.root, split) for split in ("train", "test")]
+        else:
+            splits = [data.read_folders(os.path.join(args.root, split))[:2] for split in ("train", "test")]
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
     return [data.ImageDataset(paths, labels, args.image_size, train=split == 0) for split, (paths, labels) in enumerate(splits)]
 
 

@@ -100,6 +100,10 @@ def read_features(features, labels=None):
     if targets.shape != (data.shape[0],) or targets.is_floating_point() or targets.is_complex():
         raise ValueError(f"{labels or features}: labels must be {data.shape[0]} integers, got {targets.dtype} "
                          f"{tuple(targets.shape)}")
+    if not torch.isfinite(data).all():
+        rows = (~torch.isfinite(data)).any(dim=1).nonzero().flatten()
+        raise ValueError(f"{features}: features must be finite; {rows.numel()} row(s) hold NaN or an infinity "
+                         f"(the first: row {rows[0].item()})")
     return data.float(), targets.long()
 
 
