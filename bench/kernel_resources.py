@@ -85,11 +85,14 @@ def main():
             c = dict(launch.constexprs)
             c.setdefault("BLOCK_M", c.get("BLOCK"))  # (symmetric_negatives_kernel's square tiles)
             c.setdefault("BLOCK_N", c.get("BLOCK"))
-            depth = f" (rows of {c['RESIDENT_D']} kept)" if c.get("RESIDENT_D") else f" x {c['BLOCK_K']}"
-            depth += f" x {c['COLUMN_TILES']} a program" if c.get("COLUMN_TILES", 1) > 1 else ""
-            shape = (f"{c['BLOCK_M']} x {c['BLOCK_N']}{depth}, {launch.num_warps} warps, "
-                     f"{launch.num_stages} stages" + (f", {launch.max_registers} at most" if launch.max_registers
-                                                      else ""))
+            if c["BLOCK_M"] is None:  # (the row kernels: blocks of rows and of D)
+                tile = " x ".join(str(v) for k, v in c.items() if k.startswith("BLOCK_") and v is not None)
+            else:
+                depth = f" (rows of {c['RESIDENT_D']} kept)" if c.get("RESIDENT_D") else f" x {c['BLOCK_K']}"
+                depth += f" x {c['COLUMN_TILES']} a program" if c.get("COLUMN_TILES", 1) > 1 else ""
+                tile = f"{c['BLOCK_M']} x {c['BLOCK_N']}{depth}"
+            shape = (f"{tile}, {launch.num_warps} warps, {launch.num_stages} stages"
+                     + (f", {launch.max_registers} at most" if launch.max_registers else ""))
             registers, spills, instructions, wgmma = resources(launch, args.cc)
             print(f"{name:95s} {shape:34s} {registers:4d} registers {spills:4d} B spilled {instructions:6d} SASS"
                   f" {wgmma:4d} wgmma", flush=True)
