@@ -17,7 +17,7 @@ for _module in ("numpy", "PIL", "tqdm", "matplotlib"):  # the training extras (a
     pytest.importorskip(_module)
 import numpy as np  # noqa: E402
 import ms_loss_cuda.train.__main__ as command  # noqa: E402
-from ms_loss_cuda.train.__main__ import main  # noqa: E402
+from ms_loss_cuda.train.__main__ import main, write_metrics  # noqa: E402
 try:  # kanjivg ships data only (a kanji/ folder), no module to import
     importlib.metadata.distribution("kanjivg")
 except importlib.metadata.PackageNotFoundError:
@@ -64,6 +64,17 @@ def test_resume_continues_the_same_run(tmp_path):
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor)
     torch.testing.assert_close(b["memory"]["embeddings"], a["memory"]["embeddings"])
+    # another setting than the checkpoint's is refused: its optimiser would restore the old learning rate
+    with pytest.raises(SystemExit, match=r"made with --lr 0.001 \(now 0.5\), --memory-size 40 \(now 16\)"):
+        main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 7, "--resume", *common, "--lr", 0.5,
+                         "--memory-size", 16))
+
+
+def test_undefined_metrics_are_written_as_null(tmp_path):
+    """MAP@R of a test set whose classes are single rows is NaN: null in metrics.json, which stays JSON."""
+    write_metrics([{"step": 0, "precision_at_1": 0.0, "map_at_r": float("nan")}], str(tmp_path))
+    assert json.loads((tmp_path / "metrics.json").read_text()) == [{"step": 0, "precision_at_1": 0.0,
+                                                                    "map_at_r": None}]
 
 
 def test_features_with_a_head(tmp_path):

@@ -315,8 +315,9 @@ def autocast(args, device):
 
 
 def write_metrics(history, out):
-    with open(os.path.join(out, "metrics.json"), "w") as handle:
-        json.dump(history, handle, indent=1)
+    with open(os.path.join(out, "metrics.json"), "w") as handle:  # (an undefined metric, NaN, as null: valid JSON)
+        json.dump([{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+                   for row in history], handle, indent=1, allow_nan=False)
     columns = list(dict.fromkeys(k for row in history for k in row))
     with open(os.path.join(out, "metrics.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, columns)
@@ -370,6 +371,10 @@ def main(argv=None):
         dist.broadcast_object_list(resume, src=0)
     if resume[0]:
         state = checkpoint.load(checkpoint_path, device)
+        changed = checkpoint.changed_settings(state.get("args"), vars(args))
+        if changed:
+            raise SystemExit(f"--resume: {checkpoint_path} was made with {', '.join(changed)}; resume with its "
+                             f"settings (only the steps, the evaluation and the output may change), or start a new --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])

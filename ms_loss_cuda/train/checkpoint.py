@@ -50,3 +50,20 @@ def load(path, device="cpu"):
                  f"a plain-data load refuses it ({finding or 'not a torch.save file'})")
         raise ValueError(f"{path} is not a plain-data checkpoint (tensors, dicts, lists, numbers and strings "
                          f"only): {holds}") from None
+
+
+# What a resumed run may change: the run's length and its output and evaluation (steps: a run is
+# extended by resuming it with more). Every other setting is the checkpoint's: its optimiser and
+# schedule would restore theirs over a new --lr, and a new batch, model or data would not fit them.
+FREE = {"steps", "resume", "out", "eval_every", "eval_batch", "ks", "checkpoint_every", "no_progress", "workers",
+        "device", "root"}
+
+
+def changed_settings(saved, args):
+    """The options of `args` (a dict) that differ from the checkpoint's `saved` ones, as "--name OLD
+    (now NEW)", but for FREE; none where the checkpoint records no options."""
+    def same(a, b):
+        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+    return [f"--{name.replace('_', '-')} {saved[name]} (now {value})" for name, value in sorted(args.items())
+            if name not in FREE and name in (saved or {}) and not same(saved[name], value)]
