@@ -171,11 +171,9 @@ def nan_if_nonfinite(loss, *inputs, as_they_are=False):
     for t in inputs:
         if t is not None and t.numel() > 0:
             t = t.detach()
-            if as_they_are:
-                largest = torch.linalg.vector_norm(t, dim=1, dtype=compute_dtype(t)).amax()
-                loss = torch.add(loss, largest.square(), alpha=0)
-                continue
-            for extreme in torch.aminmax(t):
+            extremes = ((torch.linalg.vector_norm(t, dim=1, dtype=compute_dtype(t)).amax().square(),) if as_they_are
+                        else torch.aminmax(t))
+            for extreme in extremes:
                 loss = torch.add(loss, extreme, alpha=0)
     return loss
 

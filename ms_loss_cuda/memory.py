@@ -174,7 +174,7 @@ class CrossBatchMemory(torch.nn.Module):
         # (the batch's own term normalises its rows itself: a fused backend then knows them for unit rows)
         loss = multi_similarity_loss(embeddings, labels, ids=ids, normalize=self.normalize, **self.loss_options)
         x = normalized_rows(embeddings, self.loss_options.get("backend", "auto")) if self.normalize else embeddings
-        term = self.memory_term(x, labels, ids, x, labels, ids)
+        term = self._stored_term(x, labels, ids, x, labels, ids)  # (the batch checked above)
         return loss if term is None else loss + self.weight * term
 
     @torch.compiler.disable  # (as forward)
@@ -184,6 +184,10 @@ class CrossBatchMemory(torch.nn.Module):
         memory, or None during the warm-up calls. `loss_options` override the memory's own."""
         self._check_rows("rows", rows, row_labels, row_ids)
         self._check_rows("anchors", x, stored=False)
+        return self._stored_term(x, labels, ids, rows, row_labels, row_ids, **loss_options)
+
+    def _stored_term(self, x, labels, ids, rows, row_labels, row_ids, **loss_options):
+        """memory_term for rows that _check_rows accepted."""
         self.calls += 1
         if self.calls <= self.warmup:
             return None
