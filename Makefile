@@ -1,13 +1,14 @@
 # The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark;
 # `make train-demo`: a few minutes of training on CPU; `make experiment`: the kanji batch-size
-# experiment, about an hour; `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a GPU).
+# experiment, about an hour; `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a GPU;
+# `make compile-check`: every Triton launch compiled for every target, after a kernel or tile change).
 # Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo bench build venv clean gpu-check train-demo experiment
+.PHONY: test demo bench build venv clean gpu-check train-demo experiment compile-check
 
 # A torch that $(PYTHON) already has (a GPU user's own build) is reused through the system
 # site-packages; otherwise the venv gets the pinned torch (the CPU build where pip's index serves it).
@@ -34,6 +35,10 @@ build: $(VENV)/.built
 # stays on one worker (loadgroup).
 test: build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup tests
+
+# The suite compiles sm_80's float16 and float32 launches at D = 512 alone (tests/triton_aot.py).
+compile-check: build
+	MS_LOSS_COMPILE_ALL=1 $(PY) -m pytest -q tests/test_triton_compile.py
 
 demo: build
 	$(PY) bench/benchmark.py --sizes 1024 2048 4096 --out bench/results/demo

@@ -6,7 +6,12 @@ instructions in the PTX, what `ptxas -v` reports of the cubin Triton assembled (
 flags: Triton 3.9's register allocation level spills where ptxas's default does not) and the shared
 memory a program needs. Run by tests/test_triton_compile.py in a process of its own, because
 TRITON_INTERPRET=1 (set for the interpreted tests) replaces the jit functions this needs.
-Usage: python tests/triton_aot.py
+
+A cold compile of every launch takes about nine CPU-minutes, half the suite's CPU time, so by
+default sm_80 gets only the float16 and float32 launches at D = 512 with mining (the Ampere
+instructions and its smaller shared memory), and every other target every launch; `--all` (`make
+compile-check`) compiles every launch for sm_80 too. Run it after changing a kernel or a tile.
+Usage: python tests/triton_aot.py [--all]
 """
 import contextlib
 import functools
@@ -241,14 +246,22 @@ def compile_facts(job):
 JOB_FIELDS = ("dtype", "dim", "mining", "skip", "kernel", "cc")
 
 
-def jobs():
-    """(job, compile key) for every launch of every group (dtype, D, mining options, target)."""
+def in_suite(dtype, dim, mining, cc):
+    """Whether the suite's compile (no --all) takes the group (dtype, D, mining, target)."""
+    return cc != 80 or (dtype in ("float16", "float32") and dim == DIMS[-1] and mining)
+
+
+def jobs(everything=True):
+    """(job, compile key) for every launch of every group (dtype, D, mining options, target); the
+    suite's groups alone unless `everything`."""
     for dtype in DTYPES:
         for dim in TF32_DIMS if dtype.endswith("-tf32") else DIMS:
             variants = [(True, False)] + ([(False, True)] if dim == DIMS[-1] else [])
             for mining, skip in variants:
                 for cc in TARGETS:
                     if cc in BLACKWELL and (dtype not in ("float16", "float32") or dim != DIMS[-1] or not mining):
+                        continue
+                    if not (everything or in_suite(dtype, dim, mining, cc)):
                         continue
                     for name, launch in group_launches(dtype, dim, mining, skip, cc).items():
                         if name == "minpos_kernel" and not mining:
@@ -262,7 +275,7 @@ if __name__ == "__main__":
     # one compile per distinct launch (about two thirds of the jobs: the D values share many), its
     # facts recorded for every job that makes it
     groups = {}
-    for job, key in jobs():
+    for job, key in jobs(everything="--all" in sys.argv[1:]):
         groups.setdefault(key, []).append(job)
     # spawn, not fork: a forked copy of a process that holds torch's thread pools can deadlock
     with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
