@@ -89,8 +89,9 @@ def append_loss_table(loss, device, out):
 def render_once(data, extra):
     """The training split and test set rendered into the cache `data` before runs that start at once: the
     training command's own data loading, with the runs' arguments (`extra`, where the kanji options are)."""
-    subprocess.run([sys.executable, "-c", "import sys; from ms_loss_cuda.train.__main__ import load_data, parse_args; "
-                    "load_data(parse_args(sys.argv[1:]))", "--data", "kanji", "--root", data, *extra], check=True)
+    subprocess.run([sys.executable, "-c", "import sys; from ms_loss_cuda.train.__main__ import load_data; "
+                    "from ms_loss_cuda.train.options import parse_args; load_data(parse_args(sys.argv[1:]))",
+                    "--data", "kanji", "--root", data, *extra], check=True)
 
 
 def main(args):

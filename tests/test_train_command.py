@@ -132,10 +132,50 @@ def test_bad_arguments(tmp_path, capsys):
                                    ("--warmup-steps", -3, "--warmup-steps must be at least 0, got -3"),
                                    ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
                                    ("--memory-weight", -1, "--memory-weight must be a finite number >= 0"),
-                                   ("--alpha", -1, "--alpha must be at least float32's smallest normal number")):
+                                   ("--alpha", -1, "--alpha must be at least float32's smallest normal number"),
+                                   ("--kanji-classes", -5, "--kanji-classes must be at least 2, got -5"),
+                                   ("--kanji-test-instances", 1, "--kanji-test-instances must be at least 2"),
+                                   ("--kanji-jitter", "nan", "--kanji-jitter must be a finite number >= 0, got nan"),
+                                   ("--milestones", 1.5, "--milestones are fractions of --steps, each from 0 to 1"),
+                                   ("--image-size", 8, "--image-size 8: the convnet halves its input four times"),
+                                   ("--weights", "w.pt", "--weights loads a torchvision backbone's state_dict; "
+                                                         "--backbone convnet is built in")):
         with pytest.raises(SystemExit):  # argparse's usage error (exit status 2), before any data is read
             main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, option, value))
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--backbone resnet18 takes RGB images: use it with --data sop or folders"):
+        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--backbone", "resnet18"))
+    # a misspelt backbone: named as neither built in nor torchvision's (or as needing a torchvision that imports)
+    with pytest.raises((RuntimeError, ValueError), match="backbone 'resnt18' is (not|neither) built in"):
+        command.models.torchvision_backbone("resnt18", 8)
+
+
+def _features(path, labels, dim=4):
+    torch.save({"features": torch.randn(len(labels), dim, generator=torch.Generator().manual_seed(0)),
+                "labels": torch.tensor(labels)}, path)
+    return str(path)
+
+
+def test_feature_sets_and_their_classes_are_checked(tmp_path, capsys):
+    """Test features of another size, and sets whose classes are single images: refused where no
+    class has two (nothing to train on, or nothing to retrieve), named where some do."""
+    def run(train, test, steps=1):
+        return main(["--data", "features", "--train-features", train, "--test-features", test, "--batch-size", "4",
+                     "--per-class", "2", "--steps", str(steps), "--ks", "1", "--out", str(tmp_path / "run"),
+                     "--no-progress", "--backend", BACKEND])
+
+    pairs, singles = [0, 0, 1, 1, 2, 2, 3], [0, 1, 2, 3]
+    with pytest.raises(SystemExit, match="holds features of 5 dimensions; the training features have 4"):
+        run(_features(tmp_path / "a.pt", pairs), _features(tmp_path / "b.pt", pairs, dim=5))
+    with pytest.raises(SystemExit, match="the train set has no class of two or more images: the loss has no positive"):
+        run(_features(tmp_path / "c.pt", singles), _features(tmp_path / "d.pt", pairs))
+    with pytest.raises(SystemExit, match="the test set has no class of two or more images: leave-one-out retrieval"):
+        run(_features(tmp_path / "e.pt", pairs), _features(tmp_path / "f.pt", singles))
+    history = run(_features(tmp_path / "g.pt", pairs), _features(tmp_path / "h.pt", [0, 0, 1, 1, 2]), steps=2)
+    printed = capsys.readouterr().out
+    assert "note: 1 training class(es) of one image: they have no positive pair" in printed
+    assert "note: 1 test image(s) alone in their class count as misses in Recall@K" in printed
+    assert history[-1]["step"] == 2
 
 
 def test_missing_training_extras_are_named_when_the_command_is_imported():
@@ -227,6 +267,9 @@ def test_resume_refuses_a_checkpoint_that_is_not_plain_data(tmp_path):
     assert not marker.exists()
     torch.load(out / "checkpoint.pt", weights_only=False)  # the same file loaded as arbitrary pickle runs it
     assert marker.read_text() == "ran"
+    torch.save({"model": {"weight": torch.zeros(2)}, "step": 1, "history": []}, out / "checkpoint.pt")
+    with pytest.raises(SystemExit, match="checkpoint.pt holds another model's weights"):
+        main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
 
 
 def _free_port():

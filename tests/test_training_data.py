@@ -17,6 +17,9 @@ def _image(path, size=(40, 30), value=0):
 # ---- readers ------------------------------------------------------------------------------------
 def _sop(root, lines):
     (root / "images").mkdir(exist_ok=True)
+    for line in lines:  # (the listed images exist; their content is not read)
+        if len(line.split()) == 4:
+            (root / line.split()[3]).touch()
     for split in ("train", "test"):
         with open(root / f"Ebay_{split}.txt", "w") as handle:
             handle.write("image_id class_id super_class_id path\n" + "".join(l + "\n" for l in lines))
@@ -45,6 +48,11 @@ def test_read_sop_errors(tmp_path):
         data.read_sop(str(tmp_path))
     with pytest.raises(ValueError, match="split"):
         data.read_sop(str(tmp_path), "val")
+    root = _sop(tmp_path, ["1 1 1 images/a.jpg", "2 1 1 images/b.jpg", "3 2 1 images/c.jpg"])
+    (root / "images" / "b.jpg").unlink()
+    with pytest.raises(FileNotFoundError, match=r"Ebay_train.txt: 1 of the 3 images it lists do not exist "
+                                                r"\(the first: .*images/b.jpg\)"):
+        data.read_sop(str(root))
 
 
 def test_read_folders(tmp_path):

@@ -2,8 +2,9 @@
 transforms; and the class-balanced P x M batch sampler (one share of every global batch per process).
 
 Every reader returns (items, labels): items are image paths (or feature rows), labels int64 class
-indices. A malformed file raises ValueError naming the file and the line; a missing one,
-FileNotFoundError naming the path. Nothing is silently dropped.
+indices. A malformed file raises ValueError naming the file and the line; a missing one (a listing,
+or an image it lists), FileNotFoundError naming the path. Nothing is silently dropped. An image that
+exists but does not decode raises ValueError naming it when it is first drawn.
 """
 import math
 import os
@@ -48,6 +49,10 @@ def read_sop(root, split="train"):
             labels.append(int(fields[1]) - 1)
     if not paths:
         raise ValueError(f"{listing}: no images listed")
+    missing = [path for path in paths if not os.path.isfile(path)]  # (one stat each: found now, not mid-run)
+    if missing:
+        raise FileNotFoundError(f"{listing}: {len(missing):,} of the {len(paths):,} images it lists do not exist "
+                                f"(the first: {missing[0]})")
     return paths, torch.tensor(labels)
 
 

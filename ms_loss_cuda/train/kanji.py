@@ -138,6 +138,8 @@ def load(cache_dir, *, train_per_class=8, test_per_class=5, size=32, jitter=1.8,
     """{"train": (images, labels), "test": (images, labels)}, rendered once and cached as .npz under
     `cache_dir` (the key holds every setting). jitter 1.8 looks like hurried handwriting. `classes` limits the number of characters (for quick
     runs); None takes all."""
+    if classes is not None and classes < 2:
+        raise ValueError(f"classes must be at least 2 (half train, half test), got {classes}")
     files = characters()
     if classes is not None:
         files = files[:: max(1, len(files) // classes)][:classes]

@@ -2,6 +2,8 @@
 weights from a local file, nothing is downloaded), a small built-in convnet, or a linear/MLP head
 over precomputed features. Each maps its input to [B, dim] unnormalised embeddings (the loss
 normalises), and `freeze_batchnorm` keeps batch-norm statistics fixed, as the authors train."""
+import pickle
+
 import torch
 from torch import nn
 
@@ -42,11 +44,18 @@ def torchvision_backbone(name, dim, weights=None):
     try:
         import torchvision
     except Exception as error:  # not installed, or built for another torch
-        raise RuntimeError(f"backbone {name!r} needs torchvision, which does not import here ({error}); "
-                           "use --backbone convnet, or install a torchvision that matches torch") from error
+        raise RuntimeError(f"backbone {name!r} is not built in (convnet, linear, mlp), so it names a torchvision "
+                           f"model, and torchvision does not import here ({error}); use a built-in backbone, or "
+                           "install a torchvision that matches torch") from error
+    if name.lower() not in torchvision.models.list_models():
+        raise ValueError(f"backbone {name!r} is neither built in (convnet, linear, mlp) nor a torchvision model "
+                         "(torchvision.models.list_models() names them)")
     model = torchvision.models.get_model(name, weights=None)
     if weights is not None:
-        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        try:
+            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        except (OSError, RuntimeError, pickle.UnpicklingError) as error:  # (missing, or not this model's weights)
+            raise ValueError(f"{weights}: not a state_dict of torchvision's {name} ({error})") from None
     for attribute in ("fc", "classifier", "head", "heads"):  # the last layer's name differs by family
         if hasattr(model, attribute):
             last = getattr(model, attribute)
