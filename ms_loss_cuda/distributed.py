@@ -57,7 +57,15 @@ def gather(embeddings, labels, ids=None):
     if ids is None:
         offset = sum(sizes[:dist.get_rank()])
         ids = torch.arange(offset, offset + embeddings.shape[0], device=embeddings.device)
-    return _gather(embeddings, sizes), _gather(labels, sizes), _gather(ids, sizes), ids
+    return _gather(embeddings, sizes), _gather_keys(labels, sizes), _gather_keys(ids, sizes), ids
+
+
+def _gather_keys(keys, sizes):
+    """_gather of integer keys, sent as int64 (gloo has no int16 or unsigned type but uint8; uint64's
+    bits reinterpreted, not converted) and returned in their own dtype."""
+    if keys.dtype == torch.uint64:
+        return _gather(keys.view(torch.int64), sizes).view(torch.uint64)
+    return _gather(keys.long(), sizes).to(keys.dtype)
 
 
 def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_options):

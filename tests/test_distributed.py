@@ -168,3 +168,35 @@ def test_bad_input_is_named_before_the_gather(tmp_path):
                 distributed.multi_similarity_loss(torch.randn(4, 3), labels, ids)
     finally:
         dist.destroy_process_group()
+
+
+def test_keys_of_every_integer_dtype_are_gathered(tmp_path):
+    """int16 labels and uint64 ids of 2^63 and more (neither of them a gloo type): the single-process
+    loss and gradient, and with int16 ids the single-process memory's (which keeps int64 keys)."""
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int16)
+    order = [5, 1, 4, 0, 3, 2]
+    cases = [(torch.tensor([2 ** 63 + i for i in order], dtype=torch.uint64), None),
+             (torch.tensor(order, dtype=torch.int16), 8)]
+    results = {}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for case, (ids, memory_size) in enumerate(cases):
+            for way in ("single", "gathered"):
+                memory = ms_loss_cuda.CrossBatchMemory(memory_size, 3, backend="reference") if memory_size else None
+                for step, rows in enumerate((x, x.flip(0))):
+                    rows = rows.clone().requires_grad_()
+                    if way == "gathered":
+                        loss = distributed.multi_similarity_loss(rows, labels, ids, memory=memory,
+                                                                 **({} if memory else dict(backend="reference")))
+                    else:
+                        loss = memory(rows, labels, ids) if memory else \
+                            ms_loss_cuda.multi_similarity_loss(rows, labels, ids=ids, backend="reference")
+                    loss.backward()
+                    results[case, way, step] = (loss.detach(), rows.grad)
+    finally:
+        dist.destroy_process_group()
+    for case in range(len(cases)):
+        for step in range(2):
+            for got, want in zip(results[case, "gathered", step], results[case, "single", step]):
+                torch.testing.assert_close(got, want)
