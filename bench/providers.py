@@ -25,7 +25,7 @@ step; `compiled-graph` is torch.compile(mode="reduce-overhead"), torch's own CUD
 
 The data is a P x M batch (M = PER_CLASS samples per class around class centres); the hardness sets
 the noise and so the fraction of pairs mining keeps: easy (noise 1.2, under 0.1%), typical (2.0,
-about 12%), hard (3.0, about 75%). The lines that reach into the Triton backend's internals (its tile
+9-15% at the benchmark's sizes), hard (3.0, about 75%). The lines that reach into the Triton backend's internals (its tile
 table, its backward's products) live in bench/triton_internals.py alone.
 """
 import os
