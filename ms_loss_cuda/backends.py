@@ -150,6 +150,12 @@ def _choose(backend, device, dtype):
         backend = os.environ.get("MS_LOSS_BACKEND", "auto") or "auto"
         if backend not in NAMES:
             raise ValueError(f"MS_LOSS_BACKEND must be one of {NAMES}, got {backend!r}")
+    if torch._C._are_functorch_transforms_active():  # (torch.func.grad, vmap, jacrev, ...)
+        if backend not in ("auto", "reference"):
+            raise RuntimeError(f"backend {backend!r} cannot run under torch.func's transforms (grad, vmap, jacrev, "
+                               f"...): its gradient is a fused kernel's, which they cannot transform; use "
+                               f"backend='reference' (which 'auto' takes there)")
+        return "reference"
     if backend != "auto":
         reason = get(backend).unavailable_reason(device, dtype)
         if reason is not None:

@@ -51,6 +51,8 @@ def loss_dtype(embeddings):
 def check_embeddings(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
@@ -86,7 +88,7 @@ def check_keys(name, t, of_name, of):
                          f"got {tuple(t.shape)}")
 
 
-def _check_key_dtypes(name, t, ref_name, ref):
+def check_key_dtypes(name, t, ref_name, ref):
     """Keys of two dtypes are compared as int64, where a uint64 key of 2^63 or more would wrap onto a
     negative one of the other end: uint64 keys must have uint64 keys opposite."""
     if t.dtype != ref.dtype and torch.uint64 in (t.dtype, ref.dtype):
@@ -136,9 +138,9 @@ def check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
         check_keys("ids", ids, "embeddings", embeddings)
     if ref_ids is not None:
         check_keys("ref_ids", ref_ids, "ref_embeddings", ref_embeddings)
-        _check_key_dtypes("ids", ids, "ref_ids", ref_ids)
+        check_key_dtypes("ids", ids, "ref_ids", ref_ids)
     if ref_labels is not None:
-        _check_key_dtypes("labels", labels, "ref_labels", ref_labels)
+        check_key_dtypes("labels", labels, "ref_labels", ref_labels)
     device = embeddings.device
     for t in (labels, ref_embeddings, ref_labels, ids, ref_ids):  # (a loop: no generator's call at every step)
         if t is not None and t.device != device:

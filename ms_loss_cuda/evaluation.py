@@ -15,6 +15,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .common import check_key_dtypes
+
 __all__ = ["evaluate", "knn", "map_at_r", "nmi", "precision_at_1", "recall_at_k"]
 QUERY_CHUNK = 4096  # queries searched at a time: bounds the memory by QUERY_CHUNK x (N + k)
 
@@ -38,12 +40,16 @@ def _float32_array(rows):
 def _validated(embeddings, labels, name):
     """(embeddings, labels) after checking them: a non-empty 2-D tensor of finite values (a NaN row has
     no neighbours: faiss would return index -1 for it, which reads the last row's label) and one label
-    a row; the labels on the CPU, integer ones as int64 (the sorts and searches take no unsigned or
-    boolean keys)."""
+    a row, integers or bools; the labels on the CPU as int64 (the sorts and searches take no unsigned
+    or boolean keys; uint64's bits are kept, so equal labels stay equal)."""
     labels_name = "labels" if name == "embeddings" else f"{name}_labels"
     for what, value in ((name, embeddings), (labels_name, labels)):
         if not isinstance(value, torch.Tensor):  # (a numpy array: torch.from_numpy makes it one)
             raise TypeError(f"{what} must be a torch tensor, got {type(value).__name__}")
+        if value.layout != torch.strided:
+            raise TypeError(f"{what} must be a dense (strided) tensor, got {value.layout}")
+    if labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"{labels_name} must be integers (class indices) or bools, got {labels.dtype}")
     if embeddings.dim() != 2:
         raise ValueError(f"{name} must be a 2-D tensor [N, D], got shape {tuple(embeddings.shape)}")
     if embeddings.is_complex() or embeddings.dtype == torch.bool:
@@ -55,7 +61,7 @@ def _validated(embeddings, labels, name):
     if not torch.isfinite(embeddings.detach()).all():
         raise ValueError(f"{name} hold NaN or infinite values (a diverged model?): they have no nearest neighbours")
     labels = labels.detach().cpu()
-    return embeddings, labels if labels.is_floating_point() else labels.long()
+    return embeddings, labels.view(torch.int64) if labels.dtype == torch.uint64 else labels.long()
 
 
 def _checked(embeddings, labels, name):
@@ -72,6 +78,8 @@ def _checked(embeddings, labels, name):
 def _searcher(gallery, use_faiss):
     """search(queries, k) -> (similarities, indices) [Q, k] against `gallery`: faiss's exact inner-product
     index when installed (and use_faiss is not False), else a torch product and top-k."""
+    if not (use_faiss is None or isinstance(use_faiss, bool)):
+        raise ValueError(f"use_faiss must be None (faiss when installed), True or False, got {use_faiss!r}")
     faiss = _faiss() if use_faiss in (None, True) else None
     if use_faiss and faiss is None:
         raise RuntimeError("use_faiss=True, but faiss is not installed (pip install faiss-cpu)")
@@ -135,7 +143,7 @@ def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None)
 
 def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss):
     """Yields (query labels, labels of their k nearest gallery rows) chunk after chunk of queries."""
-    _check_gallery(gallery, gallery_labels)
+    _check_gallery(gallery, gallery_labels, labels)
     queries, query_labels = _checked(embeddings, labels, "embeddings")
     if gallery is None:
         gallery, gallery_labels = queries, query_labels
@@ -145,10 +153,12 @@ def _neighbour_labels(embeddings, labels, gallery, gallery_labels, k, use_faiss)
         yield query_labels[start:start + ids.shape[0]], gallery_labels[ids]
 
 
-def _check_gallery(gallery, gallery_labels):
+def _check_gallery(gallery, gallery_labels, labels):
     if gallery is None and gallery_labels is not None:
         raise ValueError("gallery_labels were given without a gallery (leave-one-out on the embeddings "
                          "takes their own labels): pass gallery= too, or leave both out")
+    if isinstance(labels, torch.Tensor) and isinstance(gallery_labels, torch.Tensor):
+        check_key_dtypes("labels", labels, "gallery_labels", gallery_labels)
 
 
 def _relevant_counts(query_labels, gallery_labels, leave_one_out):
@@ -193,7 +203,7 @@ def map_at_r(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss
     """MAP@R (Musgrave et al., 2020): R = the number of rows of the query's label in the gallery; the
     mean over queries of (1/R) sum_{i <= R} precision@i over the relevant positions i. Queries with
     R = 0 are left out; NaN, with a warning, when every query has R = 0."""
-    _check_gallery(gallery, gallery_labels)
+    _check_gallery(gallery, gallery_labels, labels)
     _, labels = _validated(embeddings, labels, "embeddings")
     reference_labels = labels if gallery is None else _validated(gallery, gallery_labels, "gallery")[1]
     r = _relevant_counts(labels, reference_labels, gallery is None)
@@ -220,17 +230,19 @@ def nmi(embeddings, labels, *, seed=0):
     except ImportError as error:
         raise ImportError(f"nmi needs scikit-learn ({error}): pip install scikit-learn, or "
                           f"pip install \"ms-loss-cuda[eval]\"") from error
+    if not _is_one_integer(seed) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     x, labels = _checked(embeddings, labels, "embeddings")
     classes = int(torch.unique(labels).numel())
     faiss = _faiss()
     if faiss is not None:
-        kmeans = faiss.Kmeans(x.shape[1], classes, niter=20, nredo=5, seed=seed, verbose=False)
+        kmeans = faiss.Kmeans(x.shape[1], classes, niter=20, nredo=5, seed=operator.index(seed), verbose=False)
         kmeans.train(_float32_array(x))
         assignment = kmeans.index.search(_float32_array(x), 1)[1][:, 0]
     else:
         from sklearn.cluster import KMeans
 
-        assignment = KMeans(n_clusters=classes, n_init=3, random_state=seed).fit_predict(x.numpy())
+        assignment = KMeans(n_clusters=classes, n_init=3, random_state=operator.index(seed)).fit_predict(x.numpy())
     return float(normalized_mutual_info_score(labels.numpy(), assignment))
 
 

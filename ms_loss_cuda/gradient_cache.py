@@ -43,6 +43,16 @@ def _replay(states, device):
         yield
 
 
+def _rows(part, start, count):
+    """`part`, encode's output for inputs[start:start + count], if it is a tensor of `count` rows."""
+    if not isinstance(part, torch.Tensor) or not part.is_floating_point() or part.dim() < 1 or part.shape[0] != count:
+        got = f"{part.dtype} {tuple(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
+        raise ValueError(f"encode must return a floating-point tensor of one embedding a sample: inputs[{start}:"
+                         f"{start + count}] gave {got} (inputs are sliced along their first level, so a tuple of "
+                         f"batch tensors is sliced into tensors, not samples)")
+    return part
+
+
 def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None):
     """One step's forward and backward with embedding-gradient caching; returns (loss detached,
     embeddings detached [B, D]). Parameter gradients accumulate into `.grad` as `loss.backward()`
@@ -58,6 +68,9 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if isinstance(inputs, (dict, str, bytes)) or not hasattr(inputs, "__getitem__"):
+        raise TypeError(f"inputs must be a tensor [B, ...] or a sequence of B samples, sliced along its first "
+                        f"level, got {type(inputs).__name__}")
     if len(inputs) == 0:
         raise ValueError("cached_step needs a batch of at least one input")
     starts = range(0, len(inputs), chunk_size)
@@ -68,7 +81,7 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
         buffers = [] if model is None else [(b, b.clone()) for b in model.buffers()]
         for start in starts:
             states.append(_rng_states(device))
-            parts.append(encode(inputs[start:start + chunk_size]))
+            parts.append(_rows(encode(inputs[start:start + chunk_size]), start, min(chunk_size, len(inputs) - start)))
         for buffer, before in buffers:
             buffer.copy_(before)
     embeddings = torch.cat(parts).detach().requires_grad_()
@@ -76,6 +89,9 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar loss (reduction 'mean' or 'sum'), got "
                          f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn's loss takes no gradient from the embeddings it was given: it must be computed "
+                         "from them, in floating point, with grad mode on (cached_step under torch.no_grad?)")
     (grad,) = torch.autograd.grad(loss, embeddings)
     for number, (start, state) in enumerate(zip(starts, states)):
         last = number == len(starts) - 1

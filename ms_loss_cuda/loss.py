@@ -8,7 +8,7 @@ reference (the fused kernels mine for themselves).
 import torch
 
 from . import backends
-from .common import check_hyper_parameters, check_inputs, is_boolean, is_integer, shown, unit_rows
+from .common import check_embeddings, check_hyper_parameters, check_inputs, is_boolean, is_integer, shown, unit_rows
 
 __all__ = ["BACKENDS", "MultiSimilarityLoss", "available_backends", "multi_similarity_loss", "normalized_rows",
            "unit_rows"]
@@ -141,6 +141,9 @@ class MultiSimilarityLoss(torch.nn.Module):
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         masks = None
         if indices_tuple is not None:
+            check_embeddings("embeddings", embeddings)  # (before the masks are built from their sizes)
+            if ref_emb is not None:
+                check_embeddings("ref_emb", ref_emb)
             masks = _pair_masks_from_indices(indices_tuple, embeddings, ref_emb)
             # (the pairs replace the labels, which pytorch-metric-learning lets the caller leave out)
             given = labels if labels is not None else ref_labels
@@ -148,6 +151,8 @@ class MultiSimilarityLoss(torch.nn.Module):
             ref_labels = _unused_labels(ref_emb, given) if ref_labels is None and ref_emb is not None else ref_labels
         elif labels is None:
             raise ValueError("MultiSimilarityLoss needs labels, unless an indices_tuple gives the pairs")
+        elif (ref_emb is None) != (ref_labels is None):
+            raise ValueError("ref_emb and ref_labels must be given together (unless an indices_tuple gives the pairs)")
         return _loss(embeddings, labels, ref_emb, ref_labels, None, None, masks, self.options,
                      self.normalize, self.reduction, self.backend)
 
@@ -161,6 +166,8 @@ def _unused_labels(embeddings, given):
 
 def _pair_masks_from_indices(indices_tuple, embeddings, ref_emb):
     """Boolean [B, R] (positive, negative) masks from (a1, p, a2, n) or (anchor, positive, negative)."""
+    if not isinstance(indices_tuple, (tuple, list)):
+        raise TypeError(f"indices_tuple must be a tuple of 3 or 4 index tensors, got {type(indices_tuple).__name__}")
     if len(indices_tuple) == 3:
         anchors, positives, negatives = indices_tuple
         indices_tuple, names = (anchors, positives, anchors, negatives), ("anchor", "positive", "anchor", "negative")

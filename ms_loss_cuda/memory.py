@@ -5,7 +5,7 @@ import operator
 import torch
 
 from . import backends
-from .common import HYPER_PARAMETERS, check_inputs, is_boolean, shown
+from .common import HYPER_PARAMETERS, check_embeddings, check_inputs, is_boolean, shown
 from .loss import checked_flag, checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
@@ -32,8 +32,10 @@ class CrossBatchMemory(torch.nn.Module):
     pair of equal id is skipped, in both terms: a sample's own copy, and its older copies from earlier
     steps (pytorch-metric-learning and the XBM code count those as positives). The first `warmup`
     calls neither store nor add the memory term (the XBM code's start iteration: early embeddings
-    drift too fast to be worth keeping). `loss_options` are those of `multi_similarity_loss`
-    (alpha, beta, base, epsilon, mining, normalize, reduction, skip_incomplete_anchors, backend).
+    drift too fast to be worth keeping). Every call stores, in eval mode and under no_grad as well (as
+    pytorch-metric-learning's does): take a validation loss with `multi_similarity_loss`, not the
+    memory. `loss_options` are those of `multi_similarity_loss` (alpha, beta, base, epsilon, mining,
+    normalize, reduction, skip_incomplete_anchors, backend).
 
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
     already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
@@ -110,11 +112,17 @@ class CrossBatchMemory(torch.nn.Module):
         # checked before anything is loaded, so that a refused memory leaves this one as it was (the rows
         # never stored are zeros, which pass; a module on the meta device reads no rows)
         problem = None
-        if self.normalize and isinstance(saved, torch.Tensor) and not (saved.is_meta or self.embeddings.is_meta):
+        parts = ("embeddings", "labels", "ids", "_extra_state")
+        given = [name for name in parts if prefix + name in state_dict]
+        if given and len(given) < len(parts):  # (strict=False would load a fill over rows it never had)
+            problem = (f"the saved memory holds {', '.join(given)} without "
+                       f"{', '.join(name for name in parts if name not in given)}: a memory's rows, keys and ring "
+                       f"state load together or not at all")
+        if problem is None and self.normalize and isinstance(saved, torch.Tensor) and \
+                not (saved.is_meta or self.embeddings.is_meta):
             problem = self._longer_than_unit(saved)
-        ring = state_dict.get(prefix + "_extra_state")
-        if problem is None and ring is not None and getattr(saved, "shape", (None,))[0] == self.size:
-            problem = self._unfit_ring(ring)  # (rows of another count: torch names the size mismatch)
+        if problem is None and given and getattr(saved, "shape", (None,))[0] == self.size:
+            problem = self._unfit_ring(state_dict[prefix + "_extra_state"])  # (another count: torch names it)
         if problem:
             error_msgs.append(problem)  # (load_state_dict raises them together)
             return
@@ -143,7 +151,8 @@ class CrossBatchMemory(torch.nn.Module):
     def _check_rows(self, name, rows, labels=None, ids=None, stored=True):
         """Rows of this memory's D; `stored`: rows the memory stores, with their keys, checked as a loss
         call's (check_inputs), with ids, keys that int64 holds, and the dtype of the rows stored already."""
-        if rows.dim() != 2 or rows.shape[1] != self.dim:
+        check_embeddings(name, rows)
+        if rows.shape[1] != self.dim:
             raise ValueError(f"{name} must be [B, {self.dim}] for this memory, got {tuple(rows.shape)}")
         if not stored:
             return

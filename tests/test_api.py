@@ -265,6 +265,26 @@ def test_indices_tuple_is_checked():
     with pytest.raises(ValueError, match=r"n must hold row indices in \[0, 9\)"):
         module(x, labels, (a, p, a, torch.tensor([2, 9])), ref, torch.zeros(9, dtype=torch.long))
     assert module(x, labels, indices_tuple=(a, p, a, n)) > 0
+    # the embeddings and the tuple itself are checked before the pairs are read against their sizes
+    for rows, pairs, error, message in [(x.tolist(), (a, p, a, n), TypeError, "embeddings must be a tensor, got list"),
+                                        (x[:, 0], (a, p, a, n), ValueError, r"embeddings must be 2-D \[N, D\]"),
+                                        (x, 5, TypeError, "indices_tuple must be a tuple of 3 or 4 index tensors")]:
+        with pytest.raises(error, match=message):
+            module(rows, labels, indices_tuple=pairs)
+    with pytest.raises(ValueError, match="ref_emb and ref_labels must be given together"):
+        module(x, labels, ref_emb=ref)
+
+
+def test_torch_func_transforms_take_the_reference_or_refuse_a_fused_backend():
+    """Under torch.func.grad "auto" takes the reference, whose gradient autograd's matches; a fused
+    backend named outright says why it cannot run there."""
+    x, labels = make_batch(12, 4, 3)
+    x = x.double()
+    expected = torch.autograd.grad(multi_similarity_loss(x.requires_grad_(), labels), x)[0]
+    torch.testing.assert_close(torch.func.grad(lambda t: multi_similarity_loss(t, labels))(x.detach()), expected)
+    for backend in [b for b in ("cpu", "triton") if b in available_backends("cpu")]:
+        with pytest.raises(RuntimeError, match=f"backend '{backend}' cannot run under torch.func's transforms"):
+            torch.func.grad(lambda t: multi_similarity_loss(t, labels, backend=backend))(x.detach())
 
 
 def test_indices_tuple_without_labels_as_pytorch_metric_learning_takes_it():

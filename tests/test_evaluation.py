@@ -84,6 +84,8 @@ def test_nmi_of_separated_classes_is_one(with_faiss, monkeypatch):
     labels = torch.arange(8).repeat_interleave(20)
     x = centres[labels] + 0.01 * torch.randn(160, 8, generator=torch.Generator().manual_seed(0))
     assert evaluation.nmi(x, labels) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="seed must be an integer, got None"):
+        evaluation.nmi(x, labels, seed=None)
 
 
 def test_bad_input():
@@ -120,6 +122,17 @@ def test_bad_input():
                             (dict(queries=x[:5], leave_one_out=True), "leave_one_out needs the queries to be the gallery")):
         with pytest.raises(ValueError, match=message):
             evaluation.knn(**dict(dict(queries=x, gallery=x, k=2, use_faiss=False), **kwargs))
+    # labels that would compare wrongly: floats (distinct large integers merge), uint64 against int64 (2^63 wraps)
+    with pytest.raises(TypeError, match="labels must be integers .* or bools, got torch.float32"):
+        evaluation.evaluate(x, labels.float(), use_faiss=False)
+    wrapped = torch.full((10,), torch.iinfo(torch.int64).min)
+    with pytest.raises(TypeError, match=r"labels \(torch.uint64\) and gallery_labels \(torch.int64\) must share"):
+        evaluation.evaluate(x, wrapped.view(torch.uint64), (1,), gallery=x, gallery_labels=wrapped, use_faiss=False)
+    with pytest.raises(TypeError, match="embeddings must be a dense .* got torch.sparse_coo"):
+        evaluation.evaluate(x.to_sparse(), labels, use_faiss=False)
+    for use_faiss in ("no", 1):
+        with pytest.raises(ValueError, match="use_faiss must be None .*, True or False"):
+            evaluation.evaluate(x, labels, (1,), use_faiss=use_faiss)
     # (chunks of queries, and queries of another dtype than the gallery, give the same neighbours)
     whole = evaluation.knn(x, x, 2, use_faiss=False)
     for got in (evaluation.knn(x, x, 2, use_faiss=False, chunk=3), evaluation.knn(x.double(), x, 2, use_faiss=False)):

@@ -137,3 +137,21 @@ def test_bad_chunk_size_and_empty_batch():
         gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(0, 2), lambda e: e.sum(), 4)
     with pytest.raises(ValueError, match=r"a scalar loss .*, got \(3,\)"):
         gradient_cache.cached_step(torch.nn.Linear(2, 2), torch.zeros(3, 2), lambda e: e.sum(1), 2)
+
+
+def test_encoders_inputs_and_losses_it_cannot_use_are_named():
+    linear, x = torch.nn.Linear(2, 2), torch.zeros(6, 2)
+    with pytest.raises(TypeError, match="inputs must be a tensor .* or a sequence of B samples, .* got dict"):
+        gradient_cache.cached_step(linear, {"x": x}, lambda e: e.sum(), 2)
+    for encode, got in ((lambda chunk: (linear(chunk),), "tuple"), (lambda chunk: linear(chunk).long(), "torch.int64"),
+                        (lambda chunk: linear(chunk)[:1], r"torch.float32 \(1, 2\)")):
+        with pytest.raises(ValueError, match=rf"encode must return .*: inputs\[0:4\] gave {got}"):
+            gradient_cache.cached_step(encode, x, lambda e: e.sum(), 4)
+    # a tuple of batch tensors is sliced into tensors: two of them, each a whole batch, not two samples
+    with pytest.raises(ValueError, match=r"inputs\[0:2\] gave torch.float32 \(6, 2\)"):
+        gradient_cache.cached_step(lambda parts: linear(parts[0]), (x, x), lambda e: e.sum(), 4)
+    for loss_fn in (lambda e: torch.tensor(3.0), lambda e: e.sum().detach()):
+        with pytest.raises(ValueError, match="loss_fn's loss takes no gradient from the embeddings"):
+            gradient_cache.cached_step(linear, x, loss_fn, 4)
+    with torch.no_grad(), pytest.raises(ValueError, match="loss_fn's loss takes no gradient"):
+        gradient_cache.cached_step(linear, x, lambda e: e.sum(), 4)

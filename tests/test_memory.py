@@ -174,6 +174,15 @@ def test_a_normalising_memory_refuses_rows_longer_than_unit():
     assert resumed.embeddings.dtype == torch.bfloat16 and resumed.filled == 12
     tiny = dict(unit.state_dict(), embeddings=unit.embeddings * 1e-3)  # (shorter rows, as a row of norm below 1e-12 normalises)
     CrossBatchMemory(16, 5, backend="reference").load_state_dict(tiny)
+    # a state dict without some of the memory's parts (strict=False) would keep a fill over rows it never had
+    for left_out in ("embeddings", "_extra_state"):
+        partial = {key: value for key, value in unit.state_dict().items() if key != left_out}
+        missing = CrossBatchMemory(16, 5, backend="reference")
+        with pytest.raises(RuntimeError, match=f"without {left_out}: a memory's rows, keys and ring state load"):
+            missing.load_state_dict(partial, strict=False)
+        assert missing.filled == 0
+    with pytest.raises(RuntimeError, match="ring state is not a CrossBatchMemory's"):
+        CrossBatchMemory(16, 5, backend="reference").load_state_dict(dict(unit.state_dict(), _extra_state=None))
     with torch.device("meta"):  # (a module built on the meta device loads without reading the rows:
         with pytest.warns(UserWarning, match="meta parameter"):  # torch's no-op copy, as for any module)
             CrossBatchMemory(16, 5, backend="reference").load_state_dict(plain.state_dict())
@@ -333,4 +342,8 @@ def test_rows_of_another_width_are_refused_before_the_memory_counts_a_call():
     for rows, anchors in ((x, x[:, :4]), (x[:, :4], x)):
         with pytest.raises(ValueError, match=r"must be \[B, 4\] for this memory"):
             memory.memory_term(anchors, labels, ids, rows, labels, ids)
+    with pytest.raises(TypeError, match="embeddings must be a tensor, got list"):
+        memory(x[:, :4].tolist(), labels, ids)
+    with pytest.raises(TypeError, match="embeddings must be a dense .* got torch.sparse_coo"):
+        memory(x[:, :4].to_sparse(), labels, ids)
     assert memory.calls == 0
