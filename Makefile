@@ -1,7 +1,7 @@
 # The two commands of the README: `make test` and `make demo` (`make bench`: the full benchmark;
 # `make train-demo`: a few minutes of training on CPU; `make experiment`: the kanji batch-size
 # experiment, about an hour; `make gpu-check DIR=...`: the GPU check, bench/gpu_check.sh, on a GPU;
-# `make compile-check`: every Triton launch compiled for every target, after a kernel or tile change).
+# `make compile-check`: the Triton compile check with every sm_80 launch, after a kernel or tile change).
 # Both create (or reuse) .venv, install the pinned dependencies and build the extension in place.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -36,7 +36,7 @@ build: $(VENV)/.built
 test: build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup tests
 
-# The suite compiles sm_80's float16 and float32 launches at D = 512 alone (tests/triton_aot.py).
+# The suite compiles sm_80's float16 and float32 launches with mining on alone (tests/triton_aot.py).
 compile-check: build
 	MS_LOSS_COMPILE_ALL=1 $(PY) -m pytest -q tests/test_triton_compile.py
 

@@ -143,8 +143,13 @@ def test_bad_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit):  # argparse's usage error (exit status 2), before any data is read
             main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, option, value))
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--backbone resnet18 takes RGB images: use it with --data sop or folders"):
-        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--backbone", "resnet18"))
+    with pytest.raises(SystemExit, match="--backbone resnt18 is not built in .* which takes RGB images: use it with "
+                                         "--data sop or folders"):  # (a misspelt name too, before torchvision is asked)
+        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--backbone", "resnt18"))
+    with pytest.raises(SystemExit):
+        main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--backbone", "resnet18", "--weights",
+                         tmp_path / "nope.pth"))
+    assert f"--weights {tmp_path / 'nope.pth'} does not exist" in capsys.readouterr().err
     # a misspelt backbone: named as neither built in nor torchvision's (or as needing a torchvision that imports)
     with pytest.raises((RuntimeError, ValueError), match="backbone 'resnt18' is (not|neither) built in"):
         command.models.torchvision_backbone("resnt18", 8)
@@ -171,6 +176,16 @@ def test_feature_sets_and_their_classes_are_checked(tmp_path, capsys):
         run(_features(tmp_path / "c.pt", singles), _features(tmp_path / "d.pt", pairs))
     with pytest.raises(SystemExit, match="the test set has no class of two or more images: leave-one-out retrieval"):
         run(_features(tmp_path / "e.pt", pairs), _features(tmp_path / "f.pt", singles))
+    with pytest.raises(SystemExit, match="the test set has one class: every neighbour is of the query's class"):
+        run(_features(tmp_path / "e.pt", pairs), _features(tmp_path / "one.pt", [7, 7, 7]))
+    with pytest.raises(SystemExit, match=r"features must be a float \[N, D\] array \(D >= 1\), got .*\(7, 0\)"):
+        run(_features(tmp_path / "empty.pt", pairs, dim=0), _features(tmp_path / "d.pt", pairs))
+    for backbone, message in (("convnet", "--backbone convnet takes images: use --backbone linear or mlp"),
+                              ("Linear", "--backbone Linear is not built in .* so it names a torchvision model")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--data", "features", "--train-features", str(tmp_path / "e.pt"), "--test-features",
+                  str(tmp_path / "d.pt"), "--backbone", backbone, "--ks", "1", "--out", str(tmp_path / "run"),
+                  "--no-progress"])
     history = run(_features(tmp_path / "g.pt", pairs), _features(tmp_path / "h.pt", [0, 0, 1, 1, 2]), steps=2)
     printed = capsys.readouterr().out
     assert "note: 1 training class(es) of one image: they have no positive pair" in printed
@@ -267,9 +282,10 @@ def test_resume_refuses_a_checkpoint_that_is_not_plain_data(tmp_path):
     assert not marker.exists()
     torch.load(out / "checkpoint.pt", weights_only=False)  # the same file loaded as arbitrary pickle runs it
     assert marker.read_text() == "ran"
-    torch.save({"model": {"weight": torch.zeros(2)}, "step": 1, "history": []}, out / "checkpoint.pt")
-    with pytest.raises(SystemExit, match="checkpoint.pt holds another model's weights"):
-        main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
+    for state in ({"model": {"weight": torch.zeros(2)}, "step": 1, "history": []}, torch.zeros(3)):
+        torch.save(state, out / "checkpoint.pt")
+        with pytest.raises(SystemExit, match="checkpoint.pt is not a checkpoint of this run"):
+            main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
 
 
 def _free_port():

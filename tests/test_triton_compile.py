@@ -2,8 +2,9 @@
 for sm_80 (A100) and sm_90 (H100) without a GPU (tests/triton_aot.py), and for Blackwell, sm_100
 (B200) and sm_120 (RTX 50), at D = 512 in float16 and float32, uses tensor cores for every dtype,
 compiles without spills or a stack frame (up to 16 bytes, see below) and fits the shared
-memory of every GPU of its targets. sm_80 gets the float16 and float32 launches at D = 512 alone,
-and every launch under MS_LOSS_COMPILE_ALL=1 (`make compile-check`), as tests/triton_aot.py says."""
+memory of every GPU of its targets. sm_80 gets the float16 and float32 launches with mining on
+alone, and every launch under MS_LOSS_COMPILE_ALL=1 (`make compile-check`), as tests/triton_aot.py
+says."""
 import json
 import os
 import subprocess

@@ -114,6 +114,10 @@ def describe_sets(train, test):
             raise SystemExit(f"the {name} set has no class of two or more images: "
                              + ("the loss has no positive pair to train on" if name == "train" else
                                 "leave-one-out retrieval has no right answer for any query"))
+        if counts.numel() == 1:
+            raise SystemExit(f"the {name} set has one class: " + (
+                "the loss has no negative pair to train on" if name == "train" else
+                "every neighbour is of the query's class, so Recall@K is 1 whatever the model"))
     lines = ["; ".join(lines)]
     if alone[0]:
         lines.append(f"note: {alone[0]:,} training class(es) of one image: they have no positive pair, and serve "
@@ -151,14 +155,18 @@ def batches(dataset, sampler, workers, seed=0):
 
 
 def build_model(args, train):
+    images = isinstance(train, data.ImageDataset) or (isinstance(train, TensorData) and train.inputs.dim() == 3)
     if args.backbone == "convnet":
+        if not images:
+            raise SystemExit("--backbone convnet takes images: use --backbone linear or mlp with --data features")
         return models.SmallConvNet(args.dim, 3 if isinstance(train, data.ImageDataset) else 1, args.width)
     if args.backbone in ("linear", "mlp"):
-        if not isinstance(train, TensorData) or train.inputs.dim() != 2:
+        if images:
             raise SystemExit(f"--backbone {args.backbone} is a head over features: use it with --data features")
         return models.FeatureHead(train.inputs.shape[1], args.dim, args.hidden if args.backbone == "mlp" else 0)
     if not isinstance(train, data.ImageDataset):
-        raise SystemExit(f"--backbone {args.backbone} takes RGB images: use it with --data sop or folders, or use "
+        raise SystemExit(f"--backbone {args.backbone} is not built in ({', '.join(models.BUILT_IN)}), so it names a "
+                         f"torchvision model, which takes RGB images: use it with --data sop or folders, or use "
                          f"--backbone {'linear' if args.data == 'features' else 'convnet'}")
     try:
         return models.torchvision_backbone(args.backbone, args.dim, args.weights)
@@ -266,23 +274,27 @@ def main(argv=None):
         dist.broadcast_object_list(resume, src=0)
     if resume[0]:
         state = checkpoint.load(checkpoint_path, device)
+        if not isinstance(state, dict):
+            raise SystemExit(f"--resume: {checkpoint_path} is not a checkpoint of this run (it holds a "
+                             f"{type(state).__name__})")
         changed = checkpoint.changed_settings(state.get("args"), vars(args))
         if changed:
             raise SystemExit(f"--resume: {checkpoint_path} was made with {', '.join(changed)}; resume with its "
                              f"settings (only the steps, the evaluation and the output may change), or start a new --out")
-        try:
+        try:  # (a file of another run, which recorded no settings: another model, optimiser or memory)
             model.load_state_dict(state["model"])
-        except RuntimeError as error:  # (a checkpoint of another model, from a run that recorded no settings)
-            raise SystemExit(f"--resume: {checkpoint_path} holds another model's weights ({error})") from None
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        if state["scaler"]:  # (empty when the run has no --amp fp16)
-            scaler.load_state_dict(state["scaler"])
-        if memory is not None:
-            memory.load_state_dict(state["memory"])
-        step, history = state["step"], state["history"]
-        if state.get("rng") is not None:  # (every rank takes rank 0's state, as every rank starts from one seed)
-            checkpoint.restore_rng(state["rng"], device)
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            if state["scaler"]:  # (empty when the run has no --amp fp16)
+                scaler.load_state_dict(state["scaler"])
+            if memory is not None:
+                memory.load_state_dict(state["memory"])
+            step, history = int(state["step"]), list(state["history"])
+            if state.get("rng") is not None:  # (every rank takes rank 0's state, as every rank starts from one seed)
+                checkpoint.restore_rng(state["rng"], device)
+        except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as error:
+            raise SystemExit(f"--resume: {checkpoint_path} is not a checkpoint of this run ({type(error).__name__}: "
+                             f"{error})") from None
         if rank == 0:
             print(f"resumed from {checkpoint_path} at step {step}")
 

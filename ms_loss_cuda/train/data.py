@@ -100,8 +100,9 @@ def read_features(features, labels=None):
     else:
         targets = _load_array(_require(labels))
     data, targets = torch.as_tensor(data), torch.as_tensor(targets)
-    if data.dim() != 2 or not data.is_floating_point():
-        raise ValueError(f"{features}: features must be a float [N, D] array, got {data.dtype} {tuple(data.shape)}")
+    if data.dim() != 2 or not data.is_floating_point() or data.shape[1] == 0:
+        raise ValueError(f"{features}: features must be a float [N, D] array (D >= 1), got {data.dtype} "
+                         f"{tuple(data.shape)}")
     if targets.shape != (data.shape[0],) or targets.is_floating_point() or targets.is_complex():
         raise ValueError(f"{labels or features}: labels must be {data.shape[0]} integers, got {targets.dtype} "
                          f"{tuple(targets.shape)}")

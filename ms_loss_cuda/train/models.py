@@ -7,6 +7,8 @@ import pickle
 import torch
 from torch import nn
 
+BUILT_IN = ("convnet", "linear", "mlp")  # SmallConvNet and FeatureHead's two forms; other names are torchvision's
+
 
 class SmallConvNet(nn.Module):
     """Four 3 x 3 conv blocks (conv, batch-norm, ReLU, 2 x 2 max-pool), global average pooling and a
@@ -44,17 +46,21 @@ def torchvision_backbone(name, dim, weights=None):
     try:
         import torchvision
     except Exception as error:  # not installed, or built for another torch
-        raise RuntimeError(f"backbone {name!r} is not built in (convnet, linear, mlp), so it names a torchvision "
+        raise RuntimeError(f"backbone {name!r} is not built in ({', '.join(BUILT_IN)}), so it names a torchvision "
                            f"model, and torchvision does not import here ({error}); use a built-in backbone, or "
                            "install a torchvision that matches torch") from error
     if name.lower() not in torchvision.models.list_models():
-        raise ValueError(f"backbone {name!r} is neither built in (convnet, linear, mlp) nor a torchvision model "
+        raise ValueError(f"backbone {name!r} is neither built in ({', '.join(BUILT_IN)}) nor a torchvision model "
                          "(torchvision.models.list_models() names them)")
     model = torchvision.models.get_model(name, weights=None)
     if weights is not None:
         try:
-            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
-        except (OSError, RuntimeError, pickle.UnpicklingError) as error:  # (missing, or not this model's weights)
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, pickle.UnpicklingError):  # (torch's advice to unpickle anything is left out)
+            raise ValueError(f"{weights}: not a file of tensors that torch.load reads as plain data") from None
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, TypeError, AttributeError) as error:  # (another model's weights, or not a dict)
             raise ValueError(f"{weights}: not a state_dict of torchvision's {name} ({error})") from None
     for attribute in ("fc", "classifier", "head", "heads"):  # the last layer's name differs by family
         if hasattr(model, attribute):

@@ -4,12 +4,13 @@ count, a rate, a hyper-parameter, a batch that is not whole classes) into a usag
 data is read."""
 import argparse
 import math
+import os
 
 from ms_loss_cuda.common import check_hyper_parameters
 from ms_loss_cuda.loss import BACKENDS
+from ms_loss_cuda.train.models import BUILT_IN
 
 DATA_SETS = ("kanji", "sop", "folders", "features")
-BUILT_IN = ("convnet", "linear", "mlp")  # the backbones models.py defines; any other name is torchvision's
 
 
 def _option(group, *names, shown=None, **options):
@@ -145,5 +146,7 @@ def parse_args(argv=None, description=None):
     if args.weights is not None and args.backbone in BUILT_IN:
         parser.error(f"--weights loads a torchvision backbone's state_dict; --backbone {args.backbone} is built in "
                      "and has none")
+    if args.weights is not None and not os.path.isfile(args.weights):
+        parser.error(f"--weights {args.weights} does not exist")
     return args
 
