@@ -81,8 +81,9 @@ def check_keys(name, t, of_name, of):
     """`t`: one integer key per row of the tensor `of` (named `of_name` in the error)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if not is_integer(t):
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if not is_integer(t) or t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense integer tensor, got {t.dtype}"
+                        + ("" if t.layout == torch.strided else f" {t.layout}"))
     if t.dim() != 1 or t.shape[0] != of.shape[0]:
         raise ValueError(f"{name} must have shape [{of.shape[0]}] to match {of_name} {tuple(of.shape)}, "
                          f"got {tuple(t.shape)}")

@@ -50,6 +50,8 @@ def test_value_errors(kwargs, message):
     dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.long), ids=torch.zeros(8)),
     dict(x=torch.randn(8, 4), labels=torch.zeros(8, dtype=torch.uint64), ref_embeddings=torch.randn(5, 4),
          ref_labels=torch.zeros(5, dtype=torch.int64)),
+    dict(x=torch.randn(8, 4).to_sparse(), labels=torch.zeros(8, dtype=torch.long)),
+    dict(x=torch.randn(8, 4), labels=torch.arange(8).to_sparse()),
 ])
 def test_type_errors(kwargs):
     with pytest.raises(TypeError):
