@@ -104,7 +104,8 @@ def load_data(args):
 def describe_sets(train, test):
     """The lines to print of the training and test sets: their images and classes, and the images
     alone in their class (they have no positive pair to train on, or no right answer to retrieve).
-    SystemExit where a set has no class of two images: nothing to train on, or nothing to measure."""
+    SystemExit where a set has no class of two images, or one class alone: nothing to train on, or
+    nothing to measure."""
     lines, alone = [], []
     for name, dataset in (("train", train), ("test", test)):
         counts = torch.unique(torch.as_tensor(dataset.labels), return_counts=True)[1]
