@@ -231,9 +231,9 @@ def run_worker(provider, batch, args):
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:  # a compile from an empty cache, as at first
         done = subprocess.run(command, capture_output=True, text=True,
                               env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
-    if done.returncode != 0:
-        killed = done.returncode in (-9, 137)
-        return {"status": "out of memory (killed)" if killed else f"failed: {done.stderr.strip()[-300:]}"}
+    if done.returncode != 0:  # (killed: out of memory; else the last line, the exception's)
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]
+        return {"status": "out of memory (killed)" if done.returncode in (-9, 137) else f"failed: {last}"}
     return dict(json.loads(done.stdout.strip().splitlines()[-1]), status="ok")
 
 
@@ -412,6 +412,11 @@ def main():
         return
     if (args.bank or args.tuned) and args.device != "cuda":
         parser.error("--bank and --tuned need --device cuda")
+    counts = (("sizes", min(args.sizes, default=1)), ("bank", min(args.bank, default=1)),
+              ("bank-batch", args.bank_batch), ("dim", args.dim), ("repeats", args.repeats))
+    small = [(name, value) for name, value in counts if value < 1]
+    if small or not args.max_seconds > 0:
+        parser.error(f"--{small[0][0]} must be at least 1, got {small[0][1]}" if small else "--max-seconds must be > 0")
     providers = args.providers or DEFAULT_PROVIDERS[args.device] + (TUNED if args.tuned else ())
     shapes = [(b, None) for b in sorted(args.sizes)] + [(args.bank_batch, r) for r in sorted(args.bank)]
 
