@@ -48,11 +48,16 @@ def loss_dtype(embeddings):
 
 
 # ---- input checks -----------------------------------------------------------------------------
-def check_embeddings(name, t):
+def check_dense(name, t):
+    """`t` a tensor of the strided layout (sparse ones reach no kernel or sort of this library)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+
+
+def check_embeddings(name, t):
+    check_dense(name, t)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
@@ -79,11 +84,9 @@ def shown(value):
 
 def check_keys(name, t, of_name, of):
     """`t`: one integer key per row of the tensor `of` (named `of_name` in the error)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if not is_integer(t) or t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense integer tensor, got {t.dtype}"
-                        + ("" if t.layout == torch.strided else f" {t.layout}"))
+    check_dense(name, t)
+    if not is_integer(t):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if t.dim() != 1 or t.shape[0] != of.shape[0]:
         raise ValueError(f"{name} must have shape [{of.shape[0]}] to match {of_name} {tuple(of.shape)}, "
                          f"got {tuple(t.shape)}")

@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .common import check_key_dtypes
+from .common import check_dense, check_key_dtypes
 
 __all__ = ["evaluate", "knn", "map_at_r", "nmi", "precision_at_1", "recall_at_k"]
 QUERY_CHUNK = 4096  # queries searched at a time: bounds the memory by QUERY_CHUNK x (N + k)
@@ -46,8 +46,7 @@ def _validated(embeddings, labels, name):
     for what, value in ((name, embeddings), (labels_name, labels)):
         if not isinstance(value, torch.Tensor):  # (a numpy array: torch.from_numpy makes it one)
             raise TypeError(f"{what} must be a torch tensor, got {type(value).__name__}")
-        if value.layout != torch.strided:
-            raise TypeError(f"{what} must be a dense (strided) tensor, got {value.layout}")
+        check_dense(what, value)
     if labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"{labels_name} must be integers (class indices) or bools, got {labels.dtype}")
     if embeddings.dim() != 2:
@@ -232,17 +231,18 @@ def nmi(embeddings, labels, *, seed=0):
                           f"pip install \"ms-loss-cuda[eval]\"") from error
     if not _is_one_integer(seed) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, got {seed!r}")
+    seed = operator.index(seed)  # (faiss takes a Python int alone)
     x, labels = _checked(embeddings, labels, "embeddings")
     classes = int(torch.unique(labels).numel())
     faiss = _faiss()
     if faiss is not None:
-        kmeans = faiss.Kmeans(x.shape[1], classes, niter=20, nredo=5, seed=operator.index(seed), verbose=False)
+        kmeans = faiss.Kmeans(x.shape[1], classes, niter=20, nredo=5, seed=seed, verbose=False)
         kmeans.train(_float32_array(x))
         assignment = kmeans.index.search(_float32_array(x), 1)[1][:, 0]
     else:
         from sklearn.cluster import KMeans
 
-        assignment = KMeans(n_clusters=classes, n_init=3, random_state=operator.index(seed)).fit_predict(x.numpy())
+        assignment = KMeans(n_clusters=classes, n_init=3, random_state=seed).fit_predict(x.numpy())
     return float(normalized_mutual_info_score(labels.numpy(), assignment))
 
 
