@@ -133,25 +133,13 @@ def memory_step(labels, ref, ref_labels):
 def path_step(path, case, labels, ref, ref_labels):
     """The step of one of the paths the module's docstring names, for one of CASES."""
     from benchmark import step_function
-    from ms_loss_cuda import ops
-    from providers import with_settings
+    from providers import as_if_traced, with_settings
 
     if case == "cross-batch memory":
         step = with_settings(memory_step(labels, ref, ref_labels), None, path != "eager")
     else:
         step = step_function("triton-direct" if path == "eager" else "triton", labels, ref, ref_labels)
-    if path != "custom-ops":
-        return step
-    shipped = ops.traced
-
-    def traced_step(x):  # (as if traced: the ops, torch's normalisation)
-        ops.traced = lambda: True
-        try:
-            step(x)
-        finally:
-            ops.traced = shipped
-
-    return traced_step
+    return as_if_traced(step) if path == "custom-ops" else step
 
 
 def count_launches():

@@ -4,8 +4,10 @@ Providers (PROVIDER_HELP says each in a line, for the printed table's legend):
 `floor` (forward+backward of X @ X.T alone: the GEMM work no exact method avoids), `matmul4` (four
 X @ X.T products: the issues' GPU yardstick, as the fused forward+backward does four
 GEMM-equivalents), `reference` (ms_loss_cuda's dense PyTorch backend), the fused backends `cpu`,
-`triton` and `cuda` (on a GPU `triton` replays its eager step as a CUDA graph from the second call
-of a shape; `triton-direct` launches it every time), `triton-fused` (the triton backend's fused
+`triton` and `cuda` (`cpu-ops`: `cpu` through the path torch.compile traces, its custom ops with
+torch's normalisation and reduction around them, where an eager call is one autograd node; on a GPU
+`triton` replays its eager step as a CUDA graph from the second call of a shape; `triton-direct`
+launches it every time), `triton-fused` (the triton backend's fused
 backward, MS_LOSS_TRITON_CHUNK_MB=0; on a GPU plain `triton` takes the chunked one: pair weights to
 memory 256 MiB at a time, the second product by cuBLAS), `triton-chunk192` and `triton-chunk128`
 (the chunked backward at 192 and 128 MiB of pair weights), `triton-tuned` (with --tuned tune.json:
@@ -37,9 +39,9 @@ BUDGETS = {"triton-chunk192": "192", "triton-chunk128": "128"}  # on request: MS
 RESIDENT = ("triton-resident",)  # on request
 SELF_CASE = ("triton-symmetric", "triton-unsymmetric", "triton-unmirrored")  # on request; a bank runs as triton
 COMPILED = ("compiled", "compiled-graph")
-PROVIDERS = ("floor", "matmul4", "reference", "cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SELF_CASE, "cuda",
-             *COMPILED, "pml")
-FUSED = ("cpu", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SELF_CASE, "cuda")
+PROVIDERS = ("floor", "matmul4", "reference", "cpu", "cpu-ops", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT,
+             *SELF_CASE, "cuda", *COMPILED, "pml")
+FUSED = ("cpu", "cpu-ops", *TRITON, *TUNED, *SPLIT, *BUDGETS, *RESIDENT, *SELF_CASE, "cuda")
 DEFAULT_PROVIDERS = {"cpu": ("floor", "reference", "cpu", "compiled", "pml"),
                      "cuda": ("matmul4", "reference", *TRITON, "cuda", *COMPILED, "pml")}
 PROVIDER_HELP = {
@@ -47,6 +49,8 @@ PROVIDER_HELP = {
     "matmul4": "four X @ X.T products, no backward: the GPU yardstick (an unfused dense step's products)",
     "reference": "ms_loss_cuda's dense PyTorch backend (the B x R matrix in memory)",
     "cpu": "ms_loss_cuda's fused C++ backend (no B x R matrix)",
+    "cpu-ops": "the cpu backend through its custom ops with torch's normalisation and reduction (the path"
+               " torch.compile traces), where an eager call of cpu is one autograd node",
     "triton": "ms_loss_cuda's Triton backend (on a GPU its chunked backward: 256 MiB of pair weights at a time)",
     "triton-direct": "the Triton backend's eager step launched every time, without its CUDA-graph replay"
                      " (MS_LOSS_CUDA_GRAPHS=0)",
@@ -130,7 +134,9 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
         return graphed(step_function(provider[:-len("-graph")], labels, ref, ref_labels, mining, tuned))
     step = lambda x: ms_loss_cuda.multi_similarity_loss(  # noqa: E731
         x, labels, ref_embeddings=ref, ref_labels=ref_labels, mining=mining,
-        backend="triton" if provider.startswith("triton") else provider).backward()
+        backend=provider.split("-")[0]).backward()
+    if provider == "cpu-ops":
+        return as_if_traced(step)
     if provider.startswith("triton"):  # the shipped backward, the fused one or another budget (triton-tuned: its own)
         budget = "0" if provider == "triton-fused" else BUDGETS.get(provider)
         step = with_settings(step, budget, provider != "triton-direct")
@@ -142,6 +148,21 @@ def step_function(provider, labels, ref=None, ref_labels=None, mining=True, tune
             table = tuned if provider == "triton-tuned" else internals.TABLES[provider]()
             return internals.within(step, lambda: internals.tiles(table))
     return step
+
+
+def as_if_traced(step):
+    """`step` with ms_loss_cuda.ops.traced() true during each call: the loss takes the path torch.compile
+    traces, run eagerly (two attribute swaps a call; mock.patch would add its own host time)."""
+    from ms_loss_cuda import ops
+
+    def run(x):
+        shipped, ops.traced = ops.traced, lambda: True
+        try:
+            step(x)
+        finally:
+            ops.traced = shipped
+
+    return run
 
 
 def compiled_step(labels, ref, ref_labels, mining, graphs=False):

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import ops, reference
-from .common import FLOAT_DTYPES, GPU_DTYPES, Backend, hyper_parameters_of
+from .common import FLOAT_DTYPES, GPU_DTYPES, Backend, hyper_parameters_of, loss_dtype
 
 NAMES = ("auto", "reference", "cpu", "triton", "cuda")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -69,6 +69,12 @@ class ExtensionBackend(Backend):
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
         hyper_parameters = hyper_parameters_of(options)
         return ops.fused_forward(x, labels, ids, ref, ref_labels, ref_ids, *hyper_parameters)[0]
+
+    def loss(self, embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction):
+        if ops.traced():  # (torch.compile and export see the ops, their fakes and their autograd)
+            return super().loss(embeddings, labels, ids, ref, ref_labels, ref_ids, options, normalize, reduction)
+        return ops.eager_loss(embeddings, labels, ids, ref, ref_labels, ref_ids, hyper_parameters_of(options),
+                              normalize, reduction, loss_dtype(embeddings))
 
 
 class LazyBackend(Backend):

@@ -6,7 +6,7 @@ and calls its `loss`. `Backend.loss` is the one call path: normalise the rows (c
 compute the per-anchor losses, reduce them in float32 (float64 for float64 inputs), turn the result
 into NaN where an input holds a NaN or an infinity, and cast it to the embeddings' dtype. A backend
 supplies its per-anchor losses, and may replace the whole path with a faster one of its own that
-keeps these rules (the Triton backend's eager call is one autograd node).
+keeps these rules (the eager calls of the C++ and Triton backends are one autograd node each).
 """
 import inspect
 
@@ -221,8 +221,7 @@ class _UnitRows(torch.autograd.Function):
     @staticmethod
     @fixed_signature
     def forward(t):
-        y = t / _row_norms(t)
-        return y if y.dtype == t.dtype else y.to(t.dtype)  # (torch 2.11's compiled backward is 0 after a no-op .to)
+        return unit_rows_and_norms(t)[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -231,9 +230,22 @@ class _UnitRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         t, y = ctx.saved_tensors
-        norm = _row_norms(t)
-        along = (g * y).sum(dim=1, keepdim=True, dtype=norm.dtype).masked_fill_(norm <= 1e-12, 0)
-        return (torch.addcmul(g, y, along.to(g.dtype), value=-1) / norm).to(g.dtype)
+        return unit_rows_grad(g, y, _row_norms(t))
+
+
+def unit_rows_and_norms(t):
+    """(unit rows of t in t's dtype, the norms they were divided by: [B, 1], float32 or float64)."""
+    norms = _row_norms(t)
+    y = t / norms
+    # (no .to where the dtype is t's already: torch 2.11's compiled backward is 0 after a no-op .to)
+    return (y if y.dtype == t.dtype else y.to(t.dtype)), norms
+
+
+def unit_rows_grad(g, y, norms):
+    """The gradient through y = unit_rows(t), whose rows were divided by `norms`, of the gradient g of y:
+    (g - y (g . y)) / norms, g / 1e-12 where the norm was clamped; in g's dtype."""
+    along = (g * y).sum(dim=1, keepdim=True, dtype=norms.dtype).masked_fill_(norms <= 1e-12, 0)
+    return (torch.addcmul(g, y, along.to(g.dtype), value=-1) / norms).to(g.dtype)
 
 
 # ---- the backend interface ----------------------------------------------------------------------

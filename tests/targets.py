@@ -130,8 +130,7 @@ def emulated_cuda_ops(tmp_path_factory):
         is_python_module=False)
     emulated = torch.ops.ms_loss_cuda_emulated
     forward, backward = emulated.ms_loss_forward.default, emulated.ms_loss_backward.default
-    fused = ops.register_fused_op("ms_loss_cuda_emulated::ms_loss_forward", "ms_loss_cuda_emulated::ms_loss_backward",
-                                  forward, backward)
+    fused = ops.register_fused_op("ms_loss_cuda_emulated::ms_loss_forward", "ms_loss_cuda_emulated::ms_loss_backward")
     return forward, backward, fused
 
 
@@ -161,6 +160,8 @@ def target(request, monkeypatch):
     if request.param == "cpu":
         return Target("cpu", "cpu", "cpu", ops.forward_op, ops.backward_op)
     forward, backward, fused = request.getfixturevalue("emulated_cuda_ops")
-    monkeypatch.setattr(ops, "fused_forward", fused)  # backend="cpu" now calls the emulated CUDA op
+    # backend="cpu" now calls the emulated CUDA ops: eager (ops.eager_loss) and traced (ops.fused_forward)
+    for name, emulated in (("forward_op", forward), ("backward_op", backward), ("fused_forward", fused)):
+        monkeypatch.setattr(ops, name, emulated)
     return Target("cuda_emulated", "cpu", "cpu", forward, backward)
 

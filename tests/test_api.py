@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ms_loss_cuda
-from ms_loss_cuda import MultiSimilarityLoss, available_backends, multi_similarity_loss
+from ms_loss_cuda import MultiSimilarityLoss, available_backends, multi_similarity_loss, ops
 
 from conftest import TOLERANCE, assert_close, make_batch
 
@@ -410,24 +410,28 @@ TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # 
 
 @pytest.mark.parametrize("backend", [b for b in ("cpu", "triton", "triton_chunked")
                                      if b.split("_")[0] in available_backends("cpu" if b == "cpu" else TRITON_DEVICE)])
-@pytest.mark.parametrize("with_ref", [False, True])
-def test_fused_backends_refuse_a_second_derivative(backend, with_ref, monkeypatch):
-    """create_graph=True gives the exact first derivative; differentiating it again raises (the
-    kernels' backward has no derivative), where it silently left the kernels' share out.
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("with_ref", ["none", "bank", "ref_grad"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_fused_backends_refuse_a_second_derivative(backend, with_ref, normalize, traced, monkeypatch):
+    """create_graph=True gives the exact first derivative, with a reference set that takes a gradient
+    too; differentiating it again raises (the kernels' backward has no derivative), where it silently
+    left the kernels' share out. Eager calls (one autograd node) and the path torch.compile traces (the
+    ops and their registered autograd; ops.traced patched).
     triton: its fused backward; triton_chunked: its chunked one (the cuBLAS products under grad mode)."""
+    monkeypatch.setattr(ops, "traced", lambda: traced)
     if backend.startswith("triton"):
         monkeypatch.setenv("MS_LOSS_TRITON_CHUNK_MB", "1e-6" if backend == "triton_chunked" else "0")
         backend = "triton"
     device = "cpu" if backend == "cpu" else TRITON_DEVICE
     x, labels = make_batch(37, 16, 5, dtype=torch.float32)
-    ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref else (None, None)
+    ref, ref_labels = make_batch(20, 16, 5, dtype=torch.float32, seed=1) if with_ref != "none" else (None, None)
     x, labels = x.to(device).requires_grad_(), labels.to(device)
-    if with_ref:
-        ref, ref_labels = ref.to(device), ref_labels.to(device)
-    loss = multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels, backend=backend)
-    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-    (plain,) = torch.autograd.grad(multi_similarity_loss(x, labels, ref_embeddings=ref, ref_labels=ref_labels,
-                                                         backend=backend), x)
+    if ref is not None:
+        ref, ref_labels = ref.to(device).requires_grad_(with_ref == "ref_grad"), ref_labels.to(device)
+    kwargs = dict(ref_embeddings=ref, ref_labels=ref_labels, normalize=normalize, backend=backend)
+    (grad,) = torch.autograd.grad(multi_similarity_loss(x, labels, **kwargs), x, create_graph=True)
+    (plain,) = torch.autograd.grad(multi_similarity_loss(x, labels, **kwargs), x)
     torch.testing.assert_close(grad, plain, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(grad.square().sum(), x)

@@ -287,6 +287,26 @@ def test_triton_providers_run_under_the_budget_they_name(monkeypatch, provider, 
     assert seen == [(budget, "triton")]
 
 
+@pytest.mark.parametrize("provider", ["cpu", "cpu-ops"])
+def test_cpu_ops_runs_the_traced_path_of_the_cpu_backend(monkeypatch, provider):
+    """cpu-ops calls the cpu backend with ops.traced() true (its custom ops, torch's normalisation and
+    reduction) and restores it after each step; cpu takes the one-node eager path."""
+    import ms_loss_cuda
+    from ms_loss_cuda import ops
+    from providers import step_function
+
+    seen = []
+
+    def recorded(x, labels, **kwargs):
+        seen.append((ops.traced(), kwargs["backend"]))
+        return x.sum()
+
+    monkeypatch.setattr(ms_loss_cuda, "multi_similarity_loss", recorded)
+    x, labels, _, _ = make_inputs(8, 4)
+    step_function(provider, labels)(x.requires_grad_())
+    assert seen == [(provider == "cpu-ops", "cpu")] and not ops.traced()
+
+
 def test_the_gpu_check_names_only_providers_the_benchmark_knows():
     """A provider name that bench/gpu_check.sh passes to the benchmark or the kernel times and that they
     do not know would fail on a GPU machine only, after its time is spent."""

@@ -231,6 +231,51 @@ def test_torch_compile_of_public_function():
     torch.testing.assert_close(grad, grad_eager)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("case", ["self", "bank", "ref"])
+def test_the_eager_node_is_the_ops_path(monkeypatch, case, normalize, reduction, dtype):
+    """An eager call (ops.eager_loss, one autograd node) gives the bits of the path that torch.compile
+    traces (the ops with torch's normalisation, reduction and cast; ops.traced patched to True), for a
+    grad_output other than 1, with a bank (no gradient) and a reference set that takes one; and both
+    are NaN for a row holding an infinity."""
+    kwargs = build_case("self" if case == "self" else "ref_ids", 53, 19, dtype, seed=5)
+    grad_output = torch.rand(53 if reduction == "none" else (), dtype=dtype) + 0.5
+    inputs = [kwargs.pop("embeddings").requires_grad_()]
+    if case == "ref":
+        inputs.append(kwargs.pop("ref_embeddings").requires_grad_())
+
+    def run(traced):
+        monkeypatch.setattr(ops, "traced", lambda: traced)
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        loss = multi_similarity_loss(*leaves[:1], **({"ref_embeddings": leaves[1]} if case == "ref" else {}),
+                                     **kwargs, normalize=normalize, reduction=reduction, backend="cpu")
+        return (loss, *torch.autograd.grad(loss, leaves, grad_output))
+
+    eager, traced = run(False), run(True)
+    assert eager[1].abs().sum() > 0
+    for a, b in zip(eager, traced):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    inputs[-1] = inputs[-1].detach().clone()
+    inputs[-1][3, 0] = float("inf")
+    assert run(False)[0].isnan().all() and run(True)[0].isnan().all()
+
+
+def test_a_bank_written_before_the_backward():
+    """A memory bank that takes no gradient may be written in place between the forward and the
+    backward (a queue of past batches): the backward reads the bank's unit rows, kept by the forward,
+    and gives the gradient of the bank as it was."""
+    kwargs = build_case("ref_ids", 29, 11, torch.float32, seed=2)
+    x, bank = kwargs.pop("embeddings").requires_grad_(), kwargs.pop("ref_embeddings")
+    (expected,) = torch.autograd.grad(multi_similarity_loss(x, ref_embeddings=bank, backend="cpu", **kwargs), x)
+    bank = bank.clone()
+    loss = multi_similarity_loss(x, ref_embeddings=bank, backend="cpu", **kwargs)
+    bank[:5] = torch.randn(5, 11)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert torch.equal(grad, expected) and expected.abs().sum() > 0
+
+
 @pytest.mark.parametrize("case", ["self", "ref"])
 def test_sparse_backward_path(case):
     # Well separated classes of 4: mining keeps far fewer than 1 pair in 16, so the backward takes

@@ -338,10 +338,9 @@ def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, norma
 
 
 # ---- registration ------------------------------------------------------------------------------
-# the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward the loss calls
+# the ops (same schema, fakes and autograd as the C++ ops), and the differentiable forward that traced calls run
 triton_forward = torch.library.custom_op("ms_loss_cuda::triton_forward", _forward, mutates_args=())
 triton_backward = torch.library.custom_op("ms_loss_cuda::triton_backward", _backward, mutates_args=())
-fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward", _forward,
-                                      backward_of_checked_inputs,
+fused_forward = ops.register_fused_op("ms_loss_cuda::triton_forward", "ms_loss_cuda::triton_backward",
                                       saved_rows=lambda x, ref: SAVED_ROWS if ref is None else 0)
 
