@@ -134,12 +134,13 @@ def eager_loss(x, labels, ids, ref, ref_labels, ref_ids, hyper_parameters, norma
 
 def first_derivative_only(inputs, *grads):
     """`grads` as they are, or in a backward under create_graph=True (grad mode on) tied by
-    `_FirstDerivativeOnly` to the first of `inputs` that takes a gradient, so that differentiating
-    them again raises (a fused backward's gradients: every fused backend, and triton's row kernels)."""
+    `_FirstDerivativeOnly` to every one of `inputs` that takes a gradient, so that differentiating
+    them again, with respect to any of those, raises (a fused backward's gradients: every fused
+    backend, and triton's row kernels)."""
     if torch.is_grad_enabled():
-        for embeddings in inputs:
-            if embeddings is not None and embeddings.requires_grad:
-                return _FirstDerivativeOnly.apply(embeddings, *grads)
+        tied = tuple(t for t in inputs if t is not None and t.requires_grad)
+        if tied:
+            return _FirstDerivativeOnly.apply(len(tied), *tied, *grads)
     return grads
 
 
@@ -149,8 +150,8 @@ class _FirstDerivativeOnly(torch.autograd.Function):
     kernels' gradients and leave their share out of the second derivative without a word."""
 
     @staticmethod
-    def forward(ctx, embeddings, *grads):
-        return tuple(None if grad is None else grad.clone() for grad in grads)
+    def forward(ctx, tied, *tensors):  # (the `tied` inputs, then the gradients)
+        return tuple(None if grad is None else grad.clone() for grad in tensors[tied:])
 
     @staticmethod
     def backward(ctx, *grads):

@@ -434,7 +434,31 @@ def test_fused_backends_refuse_a_second_derivative(backend, with_ref, normalize,
     (plain,) = torch.autograd.grad(multi_similarity_loss(x, labels, **kwargs), x)
     torch.testing.assert_close(grad, plain, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="no second derivative"):
-        torch.autograd.grad(grad.square().sum(), x)
+        torch.autograd.grad(grad.square().sum(), x, retain_graph=True)
+    if with_ref == "ref_grad":  # (with respect to the reference set alone too: tied to x alone, None there)
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.autograd.grad(grad.square().sum(), ref)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if b in available_backends(
+    "cpu" if b == "cpu" else TRITON_DEVICE)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_bank_written_before_the_backward(backend, reduction):
+    """A memory bank that takes no gradient may be written in place between the forward and the
+    backward (a queue of past batches): with unit rows, which the forward keeps, the backward gives the
+    gradient of the bank as it was."""
+    device = "cpu" if backend == "cpu" else TRITON_DEVICE
+    x, labels = make_batch(29, 16, 5, dtype=torch.float32)
+    bank, bank_labels = make_batch(40, 16, 5, dtype=torch.float32, seed=1)
+    x, labels, bank, bank_labels = (t.to(device) for t in (x, labels, bank, bank_labels))
+    x.requires_grad_()
+    grad_output = torch.rand(29 if reduction == "none" else (), device=device) + 0.5
+    kwargs = dict(ref_labels=bank_labels, reduction=reduction, backend=backend)
+    (expected,) = torch.autograd.grad(multi_similarity_loss(x, labels, ref_embeddings=bank, **kwargs), x, grad_output)
+    loss = multi_similarity_loss(x, labels, ref_embeddings=bank, **kwargs)
+    bank[:5] = torch.randn(5, 16, device=device)
+    (grad,) = torch.autograd.grad(loss, x, grad_output)
+    assert torch.equal(grad, expected) and expected.abs().sum() > 0
 
 
 @pytest.mark.skipif("triton" not in available_backends(TRITON_DEVICE), reason="needs Triton (or its interpreter)")

@@ -262,20 +262,6 @@ def test_the_eager_node_is_the_ops_path(monkeypatch, case, normalize, reduction,
     assert run(False)[0].isnan().all() and run(True)[0].isnan().all()
 
 
-def test_a_bank_written_before_the_backward():
-    """A memory bank that takes no gradient may be written in place between the forward and the
-    backward (a queue of past batches): the backward reads the bank's unit rows, kept by the forward,
-    and gives the gradient of the bank as it was."""
-    kwargs = build_case("ref_ids", 29, 11, torch.float32, seed=2)
-    x, bank = kwargs.pop("embeddings").requires_grad_(), kwargs.pop("ref_embeddings")
-    (expected,) = torch.autograd.grad(multi_similarity_loss(x, ref_embeddings=bank, backend="cpu", **kwargs), x)
-    bank = bank.clone()
-    loss = multi_similarity_loss(x, ref_embeddings=bank, backend="cpu", **kwargs)
-    bank[:5] = torch.randn(5, 11)
-    (grad,) = torch.autograd.grad(loss, x)
-    assert torch.equal(grad, expected) and expected.abs().sum() > 0
-
-
 @pytest.mark.parametrize("case", ["self", "ref"])
 def test_sparse_backward_path(case):
     # Well separated classes of 4: mining keeps far fewer than 1 pair in 16, so the backward takes

@@ -302,7 +302,12 @@ class _EagerLoss(torch.autograd.Function):
     def forward(ctx, x, ref, config):
         (labels, ids, ref_labels, ref_ids), hyper_parameters, normalize, reduction, dtype, gradients_now = config
         ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
+        ctx.dtypes = (x.dtype, None if ref is None else ref.dtype)
         inputs = (x, ref, labels, ids, ref_labels, ref_ids)
+        # (x and ref themselves only where they take a gradient, which first_derivative_only ties to: a
+        # bank that takes none may be written in place before the backward where the backward does not
+        # read it; `saved` holds what it reads)
+        tied = (x if ctx.needs_input_grad[0] else None, ref if ref is not None and ctx.needs_input_grad[1] else None)
         if gradients_now:
             wanted = (ctx.needs_input_grad[0], ref is not None and ctx.needs_input_grad[1])
             options = (hyper_parameters, normalize, reduction, dtype, wanted)
@@ -310,19 +315,19 @@ class _EagerLoss(torch.autograd.Function):
             loss, *grads = replay.call(lambda *tensors: _step_with_gradients(*tensors, *options), inputs, (1,),
                                        (1, 2), options, x.device, pairs)
             saved, ctx.leases = replay.for_backward(grads)
-            ctx.save_for_backward(x, ref, *saved)
+            ctx.save_for_backward(*tied, *saved)
             return loss
         losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize,
                                                  ref is not None and ctx.needs_input_grad[1])
-        ctx.save_for_backward(x, ref, *saved)
+        ctx.save_for_backward(*tied, *saved)
         return _reduced(losses, reduction, dtype, x, ref, finite)
 
     @staticmethod
     def backward(ctx, grad):
         x, ref, *saved = ctx.saved_tensors  # (once: under torch.utils.checkpoint each read unpacks them again)
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
-            da = replay.use(ctx.leases[0], saved[0], lambda g: _scaled(g, grad, x.dtype))
-            db = replay.use(ctx.leases[1], saved[1], lambda g: _scaled(g, grad, ref.dtype))
+            da = replay.use(ctx.leases[0], saved[0], lambda g: _scaled(g, grad, ctx.dtypes[0]))
+            db = replay.use(ctx.leases[1], saved[1], lambda g: _scaled(g, grad, ctx.dtypes[1]))
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             da, db = _gradients(saved, grad, ctx.hyper_parameters, ctx.reduction, ctx.needs_input_grad[:2])
         return ops.first_derivative_only((x, ref), da, db) + (None,)

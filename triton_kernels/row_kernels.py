@@ -59,7 +59,7 @@ def unit_rows_kernel(t_ptr, y_ptr, norm_ptr, finite_ptr, num_rows, dim, WIDE_SUM
         norm = tl.sqrt(squares).to(tl.float32)  # (float64's square root is rounded correctly)
     else:
         norm = tl.sqrt_rn(squares)
-    norm = tl.maximum(norm, 1e-12)
+    norm = tl.maximum(norm, 1e-12, propagate_nan=tl.PropagateNan.ALL)  # (a NaN norm stays NaN, as in torch's clamp)
     finite += norm * 0.0  # (inf * 0: NaN)
     tl.store(norm_ptr + rows, norm, mask=rows < num_rows)
     tl.store(finite_ptr + rows, finite, mask=rows < num_rows)
