@@ -72,8 +72,12 @@ def is_integer(t):
 
 
 def is_boolean(value):
-    """A bool of Python, numpy (its dtype's name) or torch: refused where a number is expected."""
-    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+    """A bool of Python, numpy (its dtype's name) or torch: refused where a number is expected. (Python's
+    numbers and torch.compile's symbolic ones first: under dynamic=True a float argument is a SymFloat,
+    whose attributes Dynamo cannot look up.)"""
+    if isinstance(value, (bool, int, float, torch.SymInt, torch.SymFloat)):
+        return isinstance(value, bool)
+    return str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
 def shown(value):

@@ -291,15 +291,18 @@ def test_float64_is_refused_with_a_clear_error(target):
         target.forward(x, labels, None, None, None, None, 2.0, 50.0, 0.5, 0.1, True, False)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
 @pytest.mark.parametrize("choice", ["target", "auto"])
-def test_torch_compile_fullgraph(target, choice):
-    """One graph that calls the target's fused op, with the eager call's loss and gradient."""
+def test_torch_compile_fullgraph(target, choice, dynamic):
+    """One graph that calls the target's fused op, with the eager call's loss and gradient; also with
+    dynamic=True, where the default hyper-parameters reach the checks as symbolic floats."""
     if choice == "auto" and backends.resolve("auto", torch.device(target.device), torch.float32).name != target.backend:
         pytest.skip(f"auto takes another backend on {target.device}")
     kwargs = to(build_case("ref_ids", 64, 32, torch.float32, seed=12), target.device)
     backend = target.backend if choice == "target" else "auto"
     graphs = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(multi_similarity_loss, backend=graphs, fullgraph=True)
+    torch.compiler.reset()  # (each case compiles multi_similarity_loss anew: past Dynamo's limit of 8 in one worker)
+    compiled = torch.compile(multi_similarity_loss, backend=graphs, fullgraph=True, dynamic=dynamic)
     x = kwargs.pop("embeddings").requires_grad_()
     loss = compiled(x, backend=backend, **kwargs)
     (grad,) = torch.autograd.grad(loss, x)
