@@ -304,12 +304,12 @@ class _EagerLoss(torch.autograd.Function):
         ctx.hyper_parameters, ctx.reduction, ctx.gradients_now = hyper_parameters, reduction, gradients_now
         ctx.dtypes = (x.dtype, None if ref is None else ref.dtype)
         inputs = (x, ref, labels, ids, ref_labels, ref_ids)
+        wanted = (ctx.needs_input_grad[0], ref is not None and ctx.needs_input_grad[1])
         # (x and ref themselves only where they take a gradient, which first_derivative_only ties to: a
         # bank that takes none may be written in place before the backward where the backward does not
         # read it; `saved` holds what it reads)
-        tied = (x if ctx.needs_input_grad[0] else None, ref if ref is not None and ctx.needs_input_grad[1] else None)
+        tied = tuple(t if w else None for t, w in zip((x, ref), wanted))
         if gradients_now:
-            wanted = (ctx.needs_input_grad[0], ref is not None and ctx.needs_input_grad[1])
             options = (hyper_parameters, normalize, reduction, dtype, wanted)
             pairs = x.shape[0] * (x.shape[0] if ref is None else ref.shape[0])
             loss, *grads = replay.call(lambda *tensors: _step_with_gradients(*tensors, *options), inputs, (1,),
@@ -317,8 +317,7 @@ class _EagerLoss(torch.autograd.Function):
             saved, ctx.leases = replay.for_backward(grads)
             ctx.save_for_backward(*tied, *saved)
             return loss
-        losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize,
-                                                 ref is not None and ctx.needs_input_grad[1])
+        losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize, wanted[1])
         ctx.save_for_backward(*tied, *saved)
         return _reduced(losses, reduction, dtype, x, ref, finite)
 
