@@ -24,7 +24,8 @@ import time
 import torch
 
 import ms_loss_cuda
-from providers import make_inputs  # (bench/, this script's folder)
+from benchmark import build_name  # (bench/, this script's folder)
+from providers import make_inputs
 from triton_internals import fp16x3_tiles, tiles
 
 
@@ -78,7 +79,7 @@ def main():
         (f" (rows of norm {args.row_norm:g}, normalize=False)" if args.row_norm is not None else "")
     lines = [f"{args.backend}{variant} against the float64 reference, D = {args.dim}, {args.device} "
              f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d')}",
+             f"build {build_name()}, {time.strftime('%Y-%m-%d')}",
              f"{'dtype':<18} {'shape':>16} {'loss':>9} {'dx (max)':>9} {'dx (norm)':>9}  grad_output  finite"]
     print("\n".join(lines), flush=True)
     runs = [(d, p) for d in args.dtypes for p in (args.precisions if d == "float32" else ["highest"])]
