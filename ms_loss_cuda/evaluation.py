@@ -4,7 +4,10 @@ and NMI, leave-one-out on one set or queries against a gallery.
 Similarity is cosine (rows are L2-normalised first), as the loss uses. The k nearest neighbours come
 from faiss (`IndexFlatIP`, exact) when it is installed, else from chunked torch products and top-k:
 neither ever holds the N x N similarity matrix. Leave-one-out excludes each query's own row by index,
-never by value, so duplicates of a query still count.
+never by value, so duplicates of a query still count. Rows are compared in float32, whatever their
+dtype, and neighbours of equal similarity (duplicate rows) come in an order that is each search's
+own: faiss and torch can then give different figures, each one a ranking the ties allow. NMI's
+k-means, too, is faiss's where installed and scikit-learn's otherwise, which cluster differently.
 
 Recall@K, precision@1 and MAP@R need torch alone; faiss (faiss-cpu) and numpy, its array type, are
 imported only on the faiss path. NMI needs scikit-learn (`pip install "ms-loss-cuda[eval]"`).
@@ -130,10 +133,13 @@ def knn(queries, gallery, k, *, leave_one_out=False, use_faiss=None, chunk=None)
         raise ValueError(f"k must be an integer, got {k!r}")
     if chunk is not None and (not _is_one_integer(chunk) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"chunk must be an integer >= 1 (or None: {QUERY_CHUNK}), got {chunk!r}")
-    queries, gallery = queries.detach().float(), gallery.detach().float()
     for name, rows in (("queries", queries), ("gallery", gallery)):
-        if not torch.isfinite(rows).all():
+        if not torch.isfinite(rows.detach()).all():
             raise ValueError(f"{name} hold NaN or infinite values (a diverged model?): they have no nearest neighbours")
+        if rows.dtype == torch.float64 and not torch.isfinite(rows.detach().float()).all():
+            raise ValueError(f"{name} hold values beyond float32's range, in which the search runs: "
+                             f"normalise the rows first")
+    queries, gallery = queries.detach().float(), gallery.detach().float()
     parts = list(_knn_chunks(queries, gallery, operator.index(k), leave_one_out, use_faiss, chunk or QUERY_CHUNK))
     if not parts:  # (no queries)
         return torch.empty(0, k), torch.empty(0, k, dtype=torch.int64)
@@ -203,9 +209,9 @@ def map_at_r(embeddings, labels, *, gallery=None, gallery_labels=None, use_faiss
     mean over queries of (1/R) sum_{i <= R} precision@i over the relevant positions i. Queries with
     R = 0 are left out; NaN, with a warning, when every query has R = 0."""
     _check_gallery(gallery, gallery_labels, labels)
-    _, labels = _validated(embeddings, labels, "embeddings")
-    reference_labels = labels if gallery is None else _validated(gallery, gallery_labels, "gallery")[1]
-    r = _relevant_counts(labels, reference_labels, gallery is None)
+    _, keys = _validated(embeddings, labels, "embeddings")  # (int64: the caller's labels go on to the search)
+    reference_keys = keys if gallery is None else _validated(gallery, gallery_labels, "gallery")[1]
+    r = _relevant_counts(keys, reference_keys, gallery is None)
     if int(r.max()) <= 0:
         warnings.warn("MAP@R is undefined (NaN): no query's label occurs in the gallery besides itself")
         return float("nan")

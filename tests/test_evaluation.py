@@ -167,13 +167,22 @@ def test_a_row_that_is_not_finite_is_refused(use_faiss):
         for queries, gallery, name in ((x, x.nan_to_num(), "queries"), (x[:3].nan_to_num(), x, "gallery")):
             with pytest.raises(ValueError, match=f"{name} hold NaN or infinite"):
                 evaluation.knn(queries, gallery, 2, use_faiss=use_faiss)
+    # finite float64 rows beyond float32's range: knn searches in float32 and says so
+    wide = torch.randn(10, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gallery hold values beyond float32's range"):
+        evaluation.knn(wide, wide * 1e300, 2, use_faiss=use_faiss)
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16])
 def test_labels_of_any_integer_dtype(dtype):
+    """In the self case and against a gallery whose labels have the queries' dtype."""
     x, labels = make_batch(40, 8, 2, dtype=torch.float32, seed=1)
     expected = evaluation.evaluate(x, labels, (1, 5), use_faiss=False)
     assert evaluation.evaluate(x, labels.to(dtype), (1, 5), use_faiss=False) == expected
+    queries, gallery = (x[:15], labels[:15]), (x[15:], labels[15:])
+    expected = evaluation.evaluate(*queries, (1, 5), gallery=gallery[0], gallery_labels=gallery[1], use_faiss=False)
+    assert evaluation.evaluate(queries[0], queries[1].to(dtype), (1, 5), gallery=gallery[0],
+                               gallery_labels=gallery[1].to(dtype), use_faiss=False) == expected
 
 
 def test_map_at_r_without_relevant_rows_is_nan_and_evaluate_goes_on():
