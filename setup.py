@@ -79,5 +79,5 @@ setup(
         # the triton backend (ms_loss_cuda.triton_kernels); CUDA builds of torch bring a matching one
         "triton": ["triton"],
     },
-    entry_points={"console_scripts": ["ms-loss-train = ms_loss_cuda.train.__main__:main"]},
+    entry_points={"console_scripts": ["ms-loss-train = ms_loss_cuda.train.__main__:cli"]},
 )

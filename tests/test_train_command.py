@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import socket
+import sys
 
 import pytest
 import torch
@@ -65,9 +66,76 @@ def test_resume_continues_the_same_run(tmp_path):
         torch.testing.assert_close(b["model"][name], tensor)
     torch.testing.assert_close(b["memory"]["embeddings"], a["memory"]["embeddings"])
     # another setting than the checkpoint's is refused: its optimiser would restore the old learning rate
-    with pytest.raises(SystemExit, match=r"made with --lr 0.001 \(now 0.5\), --memory-size 40 \(now 16\)"):
+    with pytest.raises(SystemExit, match=r"made with --lr 0.001 \(now 0.5\), --memory-size 40 \(now 64\)"):
         main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 7, "--resume", *common, "--lr", 0.5,
-                         "--memory-size", 16))
+                         "--memory-size", 64))
+
+
+def _interrupted(argv, at_step, monkeypatch):
+    """main(argv), stopped as if killed right after it wrote the checkpoint of step `at_step`."""
+    written = command.checkpoint.save
+
+    def save(state, path):
+        written(state, path)
+        if state["step"] == at_step:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(command.checkpoint, "save", save)
+        with pytest.raises(KeyboardInterrupt):
+            main(argv)
+
+
+def test_a_run_resumed_between_evaluations_records_the_whole_interval(tmp_path, monkeypatch):
+    """Killed after step 2's checkpoint (--checkpoint-every, no evaluation there), resumed: the row of
+    step 6 averages all six steps' losses, as the uninterrupted run's does."""
+    common = ("--steps", 6, "--checkpoint-every", 2, "--schedule", "cosine")
+    whole = main(_kanji_args(tmp_path / "whole", tmp_path / "cache", *common))
+    _interrupted(_kanji_args(tmp_path / "parts", tmp_path / "cache", *common), 2, monkeypatch)
+    resumed = main(_kanji_args(tmp_path / "parts", tmp_path / "cache", *common, "--resume"))
+    assert [row["step"] for row in resumed] == [0, 6]
+    for key in ("train_loss", "mined", "recall@1", "map_at_r"):
+        assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-6)
+
+
+def test_more_steps_on_resume_follow_the_new_schedule(tmp_path, monkeypatch, capsys):
+    """A 3-step cosine run resumed with --steps 6 takes the 6-step schedule's rates from step 3 on
+    (not the 3-step schedule's last, 0), and may change --ks."""
+    rates = []
+    step = torch.optim.Adam.step
+    monkeypatch.setattr(torch.optim.Adam, "step", lambda self, *a, **k: (rates.append(self.param_groups[0]["lr"]),
+                                                                         step(self, *a, **k))[1])
+    main(_kanji_args(tmp_path / "whole", tmp_path / "cache", "--steps", 6))
+    whole, rates[:] = list(rates), []
+    main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 3))
+    capsys.readouterr()
+    main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 6, "--resume", "--ks", 1, 5))
+    assert rates[3:] == whole[3:] and rates[3] > 0
+    assert "recall@1:" in capsys.readouterr().out
+
+
+def test_the_console_script_exits_with_status_0(tmp_path, monkeypatch):
+    """A console script exits with its function's result: None is status 0 (main's history would be 1)."""
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="ms-loss-train")
+    if not scripts:
+        pytest.skip("ms-loss-cuda is not installed (its source folder is on the path)")
+    monkeypatch.setattr(sys, "argv", ["ms-loss-train", *_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1)])
+    assert next(iter(scripts)).load()() is None
+    assert (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_options_a_run_never_reads_are_noted_and_mining_off_uses_every_pair(tmp_path, capsys):
+    history = main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--no-mining", "--epsilon", 0.3,
+                               "--gamma", 0.5, "--memory-warmup", 2, "--workers", 2, "--hidden", 64))
+    assert history[-1]["mined"] == 1.0
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == ["note: --workers has no effect without --data sop or folders",
+                     "note: --hidden has no effect without --backbone mlp",
+                     "note: --gamma has no effect without --schedule step",
+                     "note: --epsilon has no effect without mining (it is off: --no-mining)",
+                     "note: --memory-warmup has no effect without --memory-size"]
+    command.options.parse_args(["--schedule", "step", "--gamma", "0.5", "--milestones", "0.5"])
+    assert capsys.readouterr().err == ""
 
 
 def test_undefined_metrics_are_written_as_null(tmp_path):
@@ -111,12 +179,21 @@ def test_bad_arguments(tmp_path, capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: this torch .* sees no CUDA GPU"):
             main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--device", "cuda"))
+    for device, message in (("gpu", "--device gpu: Expected one of"), ("meta", "--device meta: the command trains on cpu")):
+        with pytest.raises(SystemExit, match=message):
+            main(_kanji_args(tmp_path / "run", tmp_path / "cache", "--steps", 1, "--device", device))
+    with pytest.raises(SystemExit, match="--backend cuda does not run on cpu in this install; the backends that do: "):
+        main(_kanji_args(tmp_path / "late", tmp_path / "cache", "--steps", 1, "--device", "cpu") + ["--backend", "cuda"])
+    assert not (tmp_path / "late").exists()  # (refused before the first evaluation)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="--out .*a-file is a file: the command writes a folder there"):
+        main(_kanji_args(tmp_path / "a-file", tmp_path / "cache", "--steps", 1))
     np.save(tmp_path / "bare.npy", np.zeros((8, 4), dtype=np.float32))
     torch.save({"feats": torch.zeros(8, 4), "targets": torch.zeros(8)}, tmp_path / "keys.pt")
     torch.save(np.zeros((8, 4)), tmp_path / "pickled.pt")
     for name, message in (("bare.npy", "holds a bare array; pass its labels file too"),
                           ("keys.pt", r"must hold 'features' and 'labels'.*it holds \['feats', 'targets'\]"),
-                          ("pickled.pt", "pickled.pt: not an array or a dict of tensors")):
+                          ("pickled.pt", r"pickled.pt is not plain data .* numpy[^\n]*refused and never constructed$")):
         with pytest.raises(SystemExit, match=message):
             main(["--data", "features", "--train-features", str(tmp_path / name), "--test-features",
                   str(tmp_path / name), "--out", str(tmp_path / "run")])
@@ -138,6 +215,7 @@ def test_bad_arguments(tmp_path, capsys):
                                    ("--kanji-jitter", "nan", "--kanji-jitter must be a finite number >= 0, got nan"),
                                    ("--milestones", 1.5, "--milestones are fractions of --steps, each from 0 to 1"),
                                    ("--image-size", 8, "--image-size 8: the convnet halves its input four times"),
+                                   ("--memory-size", 16, "--memory-size (16) must be at least --batch-size (32)"),
                                    ("--weights", "w.pt", "--weights loads a torchvision backbone's state_dict; "
                                                          "--backbone convnet is built in")):
         with pytest.raises(SystemExit):  # argparse's usage error (exit status 2), before any data is read
@@ -275,16 +353,21 @@ def test_resume_refuses_a_checkpoint_that_is_not_plain_data(tmp_path):
     out, marker = tmp_path / "run", tmp_path / "payload-ran"
     out.mkdir()
     torch.save({"model": {}, "step": 1, "history": [], "payload": Payload(str(marker))}, out / "checkpoint.pt")
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(SystemExit) as refused:
         main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
     message = str(refused.value)
-    assert f"{out / 'checkpoint.pt'} is not a plain-data checkpoint" in message and "Payload" in message
+    assert f"--resume: {out / 'checkpoint.pt'} is not plain data" in message and "Payload" in message
     assert not marker.exists()
     torch.load(out / "checkpoint.pt", weights_only=False)  # the same file loaded as arbitrary pickle runs it
     assert marker.read_text() == "ran"
     for state in ({"model": {"weight": torch.zeros(2)}, "step": 1, "history": []}, torch.zeros(3)):
         torch.save(state, out / "checkpoint.pt")
         with pytest.raises(SystemExit, match="checkpoint.pt is not a checkpoint of this run"):
+            main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
+    whole = (out / "checkpoint.pt").read_bytes()
+    for broken in (b"", whole[:len(whole) // 2], b"step 1\n"):  # empty, cut short, not torch.save's
+        (out / "checkpoint.pt").write_bytes(broken)
+        with pytest.raises(SystemExit, match="checkpoint.pt is not a file that torch.save wrote, or it is cut short"):
             main(_kanji_args(out, tmp_path / "cache", "--steps", 2, "--resume"))
 
 

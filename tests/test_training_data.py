@@ -33,7 +33,8 @@ def test_read_sop(tmp_path):
     assert labels.tolist() == [0, 0, 6]
 
 
-@pytest.mark.parametrize("line", ["4 x 1 images/d.jpg", "4 2 1", "4 0 1 images/d.jpg"])
+@pytest.mark.parametrize("line", ["4 x 1 images/d.jpg", "4 2 1", "4 0 1 images/d.jpg", "4 \u00b2 1 images/d.jpg",
+                                  f"4 {2 ** 63 + 1} 1 images/d.jpg"])
 def test_read_sop_names_the_bad_line(tmp_path, line):
     root = _sop(tmp_path, ["1 1 1 images/a.jpg", line])
     with pytest.raises(ValueError, match=r"Ebay_train.txt:3: expected"):
@@ -61,6 +62,8 @@ def test_read_folders(tmp_path):
         for i in range(count):
             _image(tmp_path / name / f"{i}.png")
     (tmp_path / "b" / "notes.txt").write_text("not an image")
+    (tmp_path / "b" / "._0.png").write_bytes(b"\0")  # (hidden: a macOS copy's metadata, and a notebook's folder)
+    (tmp_path / ".ipynb_checkpoints").mkdir()
     paths, labels, classes = data.read_folders(str(tmp_path))
     assert classes == ["a", "b"] and labels.tolist() == [0, 1, 1]
     assert paths[0].endswith("a/0.png")

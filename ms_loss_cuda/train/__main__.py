@@ -38,9 +38,18 @@ def init_processes(args):
     """(rank, world size, device); torchrun's environment starts the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise SystemExit(f"--device {args.device}: {error}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {args.device}: the command trains on cpu or cuda (cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU")
+    runs_here = ms_loss_cuda.available_backends(device)
+    if args.backend != "auto" and args.backend not in runs_here:  # (found now, not after the first evaluation)
+        raise SystemExit(f"--backend {args.backend} does not run on {device.type} in this install; the backends "
+                         f"that do: {', '.join(runs_here)}")
     if args.amp != "off" and device.type != "cuda":
         raise SystemExit(f"--amp {args.amp} is mixed precision on CUDA; on {device.type} pass --amp off")
     if device.type == "cuda":
@@ -206,8 +215,11 @@ def embed(model, dataset, args, device):
     return torch.cat(parts), torch.cat(labels)
 
 
-def evaluate(model, test, args, device):
+def evaluate(model, test, args, device, step):
     embeddings, labels = embed(model, test, args, device)
+    if not torch.isfinite(embeddings).all():
+        raise SystemExit(f"step {step}: the test set's embeddings hold NaN or infinite values: the model diverged "
+                         f"(a lower --lr, or --amp bf16 in place of fp16, may help)")
     return evaluation.evaluate(embeddings, labels, args.ks)  # (check_ks has ruled out a k beyond the test set)
 
 
@@ -252,6 +264,8 @@ def main(argv=None):
     if rank == 0:
         print("\n".join(described), flush=True)
     check_ks(args.ks, len(test))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"--out {args.out} is a file: the command writes a folder there")
     os.makedirs(args.out, exist_ok=True)
     model = build_model(args, train).to(device)
     if args.freeze_bn:
@@ -269,12 +283,16 @@ def main(argv=None):
               if args.memory_size else None)
 
     checkpoint_path = os.path.join(args.out, "checkpoint.pt")
-    step, history = 0, []
+    # the steps since the last evaluation (their loss, mined share and count) and the training time so far
+    step, history, running = 0, [], dict(loss=0.0, mined=0.0, steps=0, seconds=0.0)
     resume = [args.resume and os.path.exists(checkpoint_path)]
     if world > 1:  # rank 0 decides: every rank must take the same path through the collectives
         dist.broadcast_object_list(resume, src=0)
     if resume[0]:
-        state = checkpoint.load(checkpoint_path, device)
+        try:
+            state = checkpoint.load(checkpoint_path, device)
+        except ValueError as error:  # (not plain data, or not a torch.save file at all)
+            raise SystemExit(f"--resume: {error}") from None
         if not isinstance(state, dict):
             raise SystemExit(f"--resume: {checkpoint_path} is not a checkpoint of this run (it holds a "
                              f"{type(state).__name__})")
@@ -291,11 +309,14 @@ def main(argv=None):
             if memory is not None:
                 memory.load_state_dict(state["memory"])
             step, history = int(state["step"]), list(state["history"])
+            running.update(state.get("running") or dict(seconds=history[-1]["train_seconds"]))
             if state.get("rng") is not None:  # (every rank takes rank 0's state, as every rank starts from one seed)
                 checkpoint.restore_rng(state["rng"], device)
         except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as error:
             raise SystemExit(f"--resume: {checkpoint_path} is not a checkpoint of this run ({type(error).__name__}: "
                              f"{error})") from None
+        for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas):  # (a new --steps: its schedule)
+            group["lr"] = group["initial_lr"] * factor(step)
         if rank == 0:
             print(f"resumed from {checkpoint_path} at step {step}")
 
@@ -312,16 +333,18 @@ def main(argv=None):
     def save_checkpoint():  # plain data only (train/checkpoint.py): loading it never runs code
         state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
                      scaler=scaler.state_dict(), memory=None if memory is None else memory.state_dict(), step=step,
-                     history=history, args=vars(args), rng=checkpoint.rng_state(device))
+                     history=history, running=dict(running), args=vars(args), rng=checkpoint.rng_state(device))
         checkpoint.save(state, checkpoint_path)
 
-    def record(loss_sum, mined_sum, steps_since, seconds):
-        metrics = evaluate(model, test, args, device) if rank == 0 else {}
+    def record():  # evaluates, writes the metrics and the checkpoint, and starts the next interval
+        metrics = evaluate(model, test, args, device, step) if rank == 0 else {}
+        done, loss, mined = running["steps"], running["loss"], running["mined"]
+        running.update(loss=0.0, mined=0.0, steps=0)
         if rank == 0:
             row = {"step": step, "images_seen": step * args.batch_size,
-                   "train_loss": loss_sum / steps_since if steps_since else None,
-                   "mined": mined_sum / steps_since if steps_since else None,
-                   "train_seconds": round(seconds, 1), **metrics}
+                   "train_loss": loss / done if done else None,
+                   "mined": mined / done if done else None,
+                   "train_seconds": round(running["seconds"], 1), **metrics}
             history.append(row)
             write_metrics(history, args.out)
             shown = ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items() if k.startswith("recall@"))
@@ -336,13 +359,12 @@ def main(argv=None):
     except ValueError as error:  # (too few classes for the batch, or a batch the processes cannot share)
         raise SystemExit(str(error)) from None
     if not history:
-        record(0.0, 0.0, 0, 0.0)
+        record()
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
         progress = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True)
-    loss_sum = mined_sum = 0.0
-    steps_since, started, seconds = 0, time.perf_counter(), history[-1]["train_seconds"] if history else 0.0
+    started, timed = time.perf_counter(), 0  # (the progress bar's images a second: the steps since `started`)
     for inputs, labels, ids in batches(train, sampler, args.workers, seed=(args.seed * 1000 + rank) * 1000003 + step):
         tick = time.perf_counter()
         inputs, labels, ids = inputs.to(device, non_blocking=True), labels.to(device), ids.to(device)
@@ -368,19 +390,20 @@ def main(argv=None):
         scaler.update()
         schedule.step()
         step += 1
-        loss_sum += loss.item() / loss_scale
-        mined_sum += reference.mined_fraction(embeddings.detach(), labels, ids=ids, epsilon=args.epsilon)
-        steps_since += 1
-        seconds += time.perf_counter() - tick
+        running["loss"] += loss.item() / loss_scale
+        running["mined"] += (reference.mined_fraction(embeddings.detach(), labels, ids=ids, epsilon=args.epsilon)
+                             if args.mining else 1.0)  # (mining off: every pair is used)
+        running["steps"] += 1
+        running["seconds"] += time.perf_counter() - tick
+        timed += 1
         if progress is not None:
             progress.update()
-            progress.set_postfix(loss=f"{loss_sum / steps_since:.4f}", mined=f"{100 * mined_sum / steps_since:.1f}%",
-                                 img_s=f"{args.batch_size * steps_since / (time.perf_counter() - started):.0f}")
-        last = step == args.steps
-        if last or (args.eval_every and step % args.eval_every == 0):
-            record(loss_sum, mined_sum, steps_since, seconds)
-            loss_sum = mined_sum = 0.0
-            steps_since, started = 0, time.perf_counter()
+            progress.set_postfix(loss=f"{running['loss'] / running['steps']:.4f}",
+                                 mined=f"{100 * running['mined'] / running['steps']:.1f}%",
+                                 img_s=f"{args.batch_size * timed / (time.perf_counter() - started):.0f}")
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            record()
+            started, timed = time.perf_counter(), 0
         elif args.checkpoint_every and step % args.checkpoint_every == 0 and rank == 0:
             save_checkpoint()
     if progress is not None:
@@ -388,12 +411,17 @@ def main(argv=None):
     if rank == 0 and len(history) > 1:
         first, final = history[0], history[-1]
         print("Recall@K on the held-out classes, before -> after training:")
-        for key in (k for k in final if k.startswith("recall@")):
+        for key in (k for k in final if k.startswith("recall@") and k in first):  # (--ks may change on resume)
             print(f"  {key:>12}: {100 * first[key]:6.2f} -> {100 * final[key]:6.2f}")
     if world > 1:
         del wrapped  # (DistributedDataParallel goes before its process group)
         dist.destroy_process_group()
     return history
+
+
+def cli():
+    """The ms-loss-train console script: main, whose history would be the exit status otherwise."""
+    main()
 
 
 if __name__ == "__main__":

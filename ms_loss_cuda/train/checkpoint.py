@@ -4,7 +4,7 @@ A checkpoint holds tensors, dicts, lists, tuples, ints, floats, bools, strings a
 dicts of the model, optimizer, schedule, gradient scaler and memory, the step, the metrics history,
 the command's arguments and the random-number generators' states (as uint8 tensors). `load` reads it
 with `torch.load(..., weights_only=True)`, which refuses any other pickled object instead of
-constructing it; such a file is reported as not a plain-data checkpoint.
+constructing it; such a file, and one that torch.save did not write, is reported by its path.
 """
 import os
 import pickle
@@ -36,8 +36,9 @@ def save(state, path):
 
 
 def load(path, device="cpu"):
-    """The checkpoint at `path`, tensors on `device`. A file that holds anything beyond plain data
-    raises ValueError naming the path (its objects are refused, never constructed)."""
+    """The checkpoint (or any plain-data torch.save file) at `path`, tensors on `device`. A file that
+    holds anything beyond plain data, or that torch.save did not write (empty, cut short, another
+    format), raises ValueError naming the path; objects are refused, never constructed."""
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as error:
@@ -48,8 +49,13 @@ def load(path, device="cpu"):
         found = re.search(r"Unsupported global: GLOBAL (\S+)", finding)
         holds = (f"it holds a pickled {found.group(1)}, which is refused and never constructed" if found else
                  f"a plain-data load refuses it ({finding or 'not a torch.save file'})")
-        raise ValueError(f"{path} is not a plain-data checkpoint (tensors, dicts, lists, numbers and strings "
-                         f"only): {holds}") from None
+        raise ValueError(f"{path} is not plain data (tensors, dicts, lists, numbers and strings only): "
+                         f"{holds}") from None
+    except (FileNotFoundError, PermissionError, MemoryError):
+        raise
+    except Exception as error:  # (torch.load's reader fails in many ways on what torch.save did not write)
+        raise ValueError(f"{path} is not a file that torch.save wrote, or it is cut short ({type(error).__name__}: "
+                         f"{error})") from None
 
 
 # What a resumed run may change: the run's length and its output and evaluation (steps: a run is

@@ -8,10 +8,11 @@ exists but does not decode raises ValueError naming it when it is first drawn.
 """
 import math
 import os
-import pickle
 
 import numpy as np
 import torch
+
+from ms_loss_cuda.train import checkpoint
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 # The MS authors' crop: scale [0.16, 1] of the image area, aspect ratio 3/4..4/3; ImageNet statistics.
@@ -42,9 +43,10 @@ def read_sop(root, split="train"):
             fields = line.split()
             if not fields:
                 continue
-            if len(fields) != 4 or not all(f.isdigit() for f in fields[:3]) or int(fields[1]) < 1:
+            if (len(fields) != 4 or not all(f.isascii() and f.isdigit() for f in fields[:3])
+                    or not 1 <= int(fields[1]) <= 2 ** 63):
                 raise ValueError(f"{listing}:{number}: expected 'image_id class_id super_class_id path' with "
-                                 f"integer ids (class_id >= 1), got {line.strip()!r}")
+                                 f"integer ids (class_id from 1 to 2^63), got {line.strip()!r}")
             paths.append(os.path.join(root, fields[3]))
             labels.append(int(fields[1]) - 1)
     if not paths:
@@ -57,13 +59,17 @@ def read_sop(root, split="train"):
 
 
 def read_folders(root):
-    """A folder per class (`root/<class>/<image>`), classes in sorted order. Returns (paths, labels, class names)."""
-    classes = sorted(d for d in os.listdir(_require(root)) if os.path.isdir(os.path.join(root, d)))
+    """A folder per class (`root/<class>/<image>`), classes in sorted order; hidden folders and files
+    (names from "."; a notebook's checkpoints, macOS's "._" copies) are not read. Returns (paths,
+    labels, class names)."""
+    classes = sorted(d for d in os.listdir(_require(root)) if os.path.isdir(os.path.join(root, d))
+                     and not d.startswith("."))
     if not classes:
         raise ValueError(f"{root}: no class folders inside")
     paths, labels = [], []
     for label, name in enumerate(classes):
-        files = sorted(f for f in os.listdir(os.path.join(root, name)) if f.lower().endswith(IMAGE_EXTENSIONS))
+        files = sorted(f for f in os.listdir(os.path.join(root, name))
+                       if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
         if not files:
             raise ValueError(f"{os.path.join(root, name)}: no images ({', '.join(IMAGE_EXTENSIONS)})")
         paths += [os.path.join(root, name, f) for f in files]
@@ -76,13 +82,12 @@ def _load_array(path):
     that names the file where it holds anything else."""
     if not path.endswith((".npy", ".pt")):
         raise ValueError(f"{path}: features and labels are read from .npy or .pt files")
+    if path.endswith(".pt"):
+        return checkpoint.load(path)  # (a ValueError naming the file for anything but plain data)
     try:
-        if path.endswith(".npy"):
-            return torch.from_numpy(np.load(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (ValueError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
-        raise ValueError(f"{path}: not an array or a dict of tensors that can be read without unpickling objects "
-                         f"({error})") from None
+        return torch.from_numpy(np.load(path))
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise ValueError(f"{path}: not an array that can be read without unpickling objects ({error})") from None
 
 
 def read_features(features, labels=None):

@@ -5,6 +5,7 @@ data is read."""
 import argparse
 import math
 import os
+import sys
 
 from ms_loss_cuda.common import check_hyper_parameters
 from ms_loss_cuda.loss import BACKENDS
@@ -98,7 +99,8 @@ def build_parser(description=None):
     _option(g, "--ks", type=int, nargs="+", default=(1, 10, 100, 1000),
             help="Recall@K's K, leave-one-out on the test set: each at most the test set's size - 1")
     _option(g, "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at evaluations)")
-    _option(g, "--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists")
+    _option(g, "--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists (a larger --steps extends the run: the "
+                 "schedule of the new length from the step it resumes at)")
     _option(g, "--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -148,5 +150,35 @@ def parse_args(argv=None, description=None):
                      "and has none")
     if args.weights is not None and not os.path.isfile(args.weights):
         parser.error(f"--weights {args.weights} does not exist")
+    if 0 < args.memory_size < args.batch_size:
+        parser.error(f"--memory-size ({args.memory_size}) must be at least --batch-size ({args.batch_size}): each "
+                     f"step stores the whole batch, so a smaller memory would never hold an earlier one")
+    if os.environ.get("RANK", "0") == "0":
+        for note in _unread_options(parser, args):
+            print(note, file=sys.stderr)
     return args
+
+
+def _unread_options(parser, args):
+    """A note for each option given a value that this run never reads: one of another data set,
+    backbone or schedule, of the memory without one, or the mining margin with mining off."""
+    readers = dict(
+        **dict.fromkeys(("train_features", "train_labels", "test_features", "test_labels"),
+                        (args.data == "features", "--data features")),
+        **dict.fromkeys(("kanji_classes", "kanji_train_instances", "kanji_test_instances", "kanji_jitter"),
+                        (args.data == "kanji", "--data kanji")),
+        root=(args.data != "features", "--data kanji, sop or folders"),
+        workers=(args.data in ("sop", "folders"), "--data sop or folders"),
+        width=(args.backbone == "convnet", "--backbone convnet"), hidden=(args.backbone == "mlp", "--backbone mlp"),
+        **dict.fromkeys(("milestones", "gamma"), (args.schedule == "step", "--schedule step")),
+        epsilon=(args.mining, "mining (it is off: --no-mining)"),
+        **dict.fromkeys(("memory_weight", "memory_warmup"), (args.memory_size > 0, "--memory-size")))
+
+    def given(name):
+        value, default = getattr(args, name), parser.get_default(name)
+        return (list(value) if isinstance(value, (list, tuple)) else value) != (
+            list(default) if isinstance(default, (list, tuple)) else default)
+
+    return [f"note: --{name.replace('_', '-')} has no effect without {needs}" for name, (read, needs) in readers.items()
+            if not read and given(name)]
 
