@@ -11,7 +11,10 @@
 #include "ms_cpu_saved.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
+#include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
@@ -24,10 +27,17 @@
 namespace ms_loss::cpu {
 namespace {
 
+// $MS_LOSS_CPU_SAVED_MB in bytes (MiB, a fraction allowed; unset or empty: 256); anything but a
+// number from 0 to 2^40 is refused, as the Triton backend refuses a bad MS_LOSS_TRITON_CHUNK_MB.
 int64_t saved_budget_bytes() {
   const char* text = std::getenv("MS_LOSS_CPU_SAVED_MB");
-  const double mb = text != nullptr ? std::atof(text) : 256.0;
-  return mb > 0 ? int64_t(mb * double(1 << 20)) : 0;
+  if (text == nullptr || *text == '\0') return int64_t(256) << 20;
+  char* end = nullptr;
+  const double mb = std::strtod(text, &end);
+  while (end != nullptr && std::isspace(static_cast<unsigned char>(*end))) ++end;
+  TORCH_CHECK(end != text && *end == '\0' && mb >= 0 && mb < std::ldexp(1.0, 40),
+              "MS_LOSS_CPU_SAVED_MB must be a number of MiB >= 0 (0: always recompute), got '", text, "'");
+  return int64_t(mb * double(1 << 20));
 }
 
 // Rows of stats [_, B] that hold a payload of `elements` (its header included).

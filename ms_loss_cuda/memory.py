@@ -52,7 +52,7 @@ class CrossBatchMemory(torch.nn.Module):
     that the second call changed, and autograd refuses it ("modified by an inplace operation"; the
     triton backend's one-call step has its gradient already and is not affected). And a batch with a
     NaN or an infinity, whose own loss is NaN as every loss call's is, leaves its rows in the memory
-    until the ring comes round: the next size / B steps' losses are NaN too. Where such batches can
+    until the ring comes round: the next size / B - 1 steps' losses are NaN too. Where such batches can
     occur (float16 embeddings under a GradScaler, say), check the batch before the call, or start a
     new memory after one.
     """

@@ -100,6 +100,14 @@ def test_a_pair_the_backward_puts_across_a_threshold_gets_no_weight(monkeypatch,
     assert loss.item() == 0 and torch.equal(grad_x, torch.zeros_like(grad_x))
 
 
+@pytest.mark.parametrize("budget", ["abc", "-5", "nan", "inf", "1e13", "12MB"])
+def test_a_budget_that_is_not_a_number_of_mib_is_refused(monkeypatch, budget):
+    monkeypatch.setenv("MS_LOSS_CPU_SAVED_MB", budget)
+    x, labels = torch.randn(8, 4), torch.arange(8) // 2
+    with pytest.raises(RuntimeError, match=f"MS_LOSS_CPU_SAVED_MB must be a number of MiB >= 0 .*got '{budget}'"):
+        ms_loss_cuda.multi_similarity_loss(x, labels, backend="cpu")
+
+
 @pytest.mark.parametrize("batch,dim", [(1, 3), (2, 1), (2, 3), (97, 1), (97, 3), (97, 130), (1031, 3), (1031, 130)])
 @pytest.mark.parametrize("mining", [True, False])
 def test_sizes(batch, dim, mining):

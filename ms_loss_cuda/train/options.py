@@ -59,7 +59,7 @@ def build_parser(description=None):
     _option(g, "--width", type=int, default=32, help="convnet: channels of its first block")
     _option(g, "--hidden", type=int, default=512, help="mlp: hidden units")
     _option(g, "--dim", type=int, default=128, help="embedding size")
-    _option(g, "--freeze-bn", action="store_true", help="batch-norm statistics fixed, as the MS authors train")
+    _option(g, "--freeze-bn", action="store_true", help="batch-norm statistics and affine parameters fixed, as the MS authors train")
     g = p.add_argument_group("batches and optimisation")
     _option(g, "--batch-size", type=int, default=256, help="global batch (all processes together)")
     _option(g, "--per-class", type=int, default=4, help="M: samples per class in a batch")
