@@ -205,6 +205,7 @@ def test_bad_arguments(tmp_path, capsys):
     capsys.readouterr()
     for option, value, message in (("--ks", 0, "--ks: every k must be at least 1"),
                                    ("--steps", 0, "--steps must be at least 1, got 0"),
+                                   ("--seed", -1, "--seed must be at least 0, got -1"),
                                    ("--per-class", 1, "--per-class must be at least 2, got 1"),
                                    ("--warmup-steps", -3, "--warmup-steps must be at least 0, got -3"),
                                    ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
@@ -440,7 +441,12 @@ def test_image_data_end_to_end(tmp_path, layout):
                 lines[split].append(f"{len(lines[split]) + 1} {c + 1} 1 {split}/class{c}/{k}.png")
     for split in ("train", "test"):
         (tmp_path / f"Ebay_{split}.txt").write_text("image_id class_id super_class_id path\n" + "\n".join(lines[split]))
-    history = main(["--data", layout, "--root", str(tmp_path), "--image-size", "16", "--width", "4", "--dim", "8",
-                    "--batch-size", "8", "--per-class", "2", "--steps", "2", "--ks", "1", "--workers", "1",
-                    "--eval-batch", "5", "--out", str(tmp_path / "run"), "--no-progress", "--backend", BACKEND])
+    def run(workers):
+        return main(["--data", layout, "--root", str(tmp_path), "--image-size", "16", "--width", "4", "--dim", "8",
+                     "--batch-size", "8", "--per-class", "2", "--steps", "2", "--ks", "1", "--workers", str(workers),
+                     "--eval-batch", "5", "--out", str(tmp_path / f"run{workers}"), "--no-progress", "--backend", BACKEND])
+
+    history = run(1)
     assert [row["step"] for row in history] == [0, 2] and 0 <= history[-1]["recall@1"] <= 1
+    # each sample's crop and flip come from its key (seed, step, position), not from a worker's generator
+    assert [{**row, "train_seconds": 0} for row in run(0)] == [{**row, "train_seconds": 0} for row in history]

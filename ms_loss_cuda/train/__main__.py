@@ -151,9 +151,9 @@ def check_ks(ks, test_size):
                          f"most {gallery:,} (e.g. --ks {fitting})")
 
 
-def batches(dataset, sampler, workers, seed=0):
+def batches(dataset, sampler, workers):
     """(inputs, labels, ids) per batch of the sampler; ids are the dataset indices (stable across steps).
-    `seed` seeds the augmentations (give every process and every resumed start its own)."""
+    An image set's augmentations are seeded by the sampler's keys (ClassBalancedBatches' keyed)."""
     if isinstance(dataset, TensorData):
         for indices in sampler:
             indices = torch.tensor(indices)
@@ -161,7 +161,7 @@ def batches(dataset, sampler, workers, seed=0):
         return
     yield from torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                            persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
-                                           generator=torch.Generator().manual_seed(seed))
+                                           generator=torch.Generator())  # (its own: torch's global one stays untouched)
 
 
 def build_model(args, train):
@@ -355,7 +355,8 @@ def main(argv=None):
 
     try:  # (before the first evaluation, which may take long)
         sampler = data.ClassBalancedBatches(train.labels, args.batch_size, args.per_class, args.steps, rank=rank,
-                                            world_size=world, seed=args.seed, start=step)
+                                            world_size=world, seed=args.seed, start=step,
+                                            keyed=isinstance(train, data.ImageDataset))
     except ValueError as error:  # (too few classes for the batch, or a batch the processes cannot share)
         raise SystemExit(str(error)) from None
     if not history:
@@ -365,7 +366,7 @@ def main(argv=None):
 
         progress = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True)
     started, timed = time.perf_counter(), 0  # (the progress bar's images a second: the steps since `started`)
-    for inputs, labels, ids in batches(train, sampler, args.workers, seed=(args.seed * 1000 + rank) * 1000003 + step):
+    for inputs, labels, ids in batches(train, sampler, args.workers):
         tick = time.perf_counter()
         inputs, labels, ids = inputs.to(device, non_blocking=True), labels.to(device), ids.to(device)
         optimizer.zero_grad(set_to_none=True)

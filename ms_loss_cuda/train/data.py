@@ -156,7 +156,10 @@ def to_tensor(image, mean=MEAN, std=STD):
 
 class ImageDataset(torch.utils.data.Dataset):
     """(image, label, index) from paths, RGB. train=True: random resized crop of `size` and a horizontal flip (the
-    authors' training transform); else resize to size * 8 / 7 and a centre crop (their test one)."""
+    authors' training transform); else resize to size * 8 / 7 and a centre crop (their test one). An item is an
+    index, or (index, key) where `key` (a tuple of ints >= 0) seeds that sample's crop and flip: ClassBalancedBatches'
+    keys make them the same whatever the workers and processes, and in a resumed run; without one, torch's
+    per-worker generator draws them."""
 
     def __init__(self, paths, labels, size=224, train=False):
         self.paths, self.labels, self.size, self.train = paths, labels, size, train
@@ -164,8 +167,10 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.paths)
 
-    def __getitem__(self, index):
+    def __getitem__(self, item):
         from PIL import Image
+
+        index, key = item if isinstance(item, tuple) else (item, None)
 
         try:
             with Image.open(self.paths[index]) as handle:
@@ -173,7 +178,7 @@ class ImageDataset(torch.utils.data.Dataset):
         except (OSError, ValueError) as error:
             raise ValueError(f"{self.paths[index]}: cannot read the image ({error})") from error
         if self.train:
-            rng = np.random.default_rng(int(torch.randint(2 ** 62, ())))  # torch's (per-worker) seed
+            rng = np.random.default_rng(key if key is not None else int(torch.randint(2 ** 62, ())))
             image = random_resized_crop(image, self.size, rng)
             if rng.random() < 0.5:
                 image = image.transpose(Image.FLIP_LEFT_RIGHT)
@@ -191,10 +196,11 @@ class ClassBalancedBatches(torch.utils.data.Sampler):
     Under several processes every process draws the same global batch (seeded by the seed and the
     step) and yields its own share, rank `rank` of `world_size` contiguous parts (class groups stay
     whole when the batch divides evenly). `start` skips that many batches, so a resumed run continues
-    the same sequence. Yields `steps` batches of indices.
+    the same sequence. Yields `steps` batches of indices; with `keyed`, of (index, (seed, step, position
+    in the global batch)), the keys ImageDataset seeds each sample's augmentation with.
     """
 
-    def __init__(self, labels, batch_size, per_class, steps, *, rank=0, world_size=1, seed=0, start=0):
+    def __init__(self, labels, batch_size, per_class, steps, *, rank=0, world_size=1, seed=0, start=0, keyed=False):
         labels = torch.as_tensor(labels).cpu().numpy()
         if per_class < 1 or batch_size < 1 or batch_size % per_class:
             raise ValueError(f"the batch size ({batch_size}) must be a positive multiple of the samples per class "
@@ -209,7 +215,7 @@ class ClassBalancedBatches(torch.utils.data.Sampler):
         counts = np.bincount(inverse)
         self.starts, self.counts = np.cumsum(counts) - counts, counts
         self.batch_size, self.per_class, self.steps, self.start = batch_size, per_class, steps, start
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.rank, self.world_size, self.seed, self.keyed = rank, world_size, seed, keyed
 
     def __len__(self):
         return max(self.steps - self.start, 0)
@@ -229,4 +235,9 @@ class ClassBalancedBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         for step in range(self.start, self.steps):
-            yield np.array_split(self.global_batch(step), self.world_size)[self.rank].tolist()
+            shares = np.array_split(self.global_batch(step), self.world_size)
+            share = shares[self.rank].tolist()
+            if self.keyed:
+                first = sum(len(s) for s in shares[:self.rank])
+                share = [(index, (self.seed, step, first + position)) for position, index in enumerate(share)]
+            yield share

@@ -108,7 +108,7 @@ def build_parser(description=None):
 def _check_numbers(parser, args):
     """parser.error for a count or a rate the run cannot use, and for the loss's hyper-parameters that
     the loss would refuse at its first call."""
-    least = dict(steps=1, dim=1, width=1, hidden=1, eval_batch=1, image_size=1, workers=0, chunk_size=0,
+    least = dict(seed=0, steps=1, dim=1, width=1, hidden=1, eval_batch=1, image_size=1, workers=0, chunk_size=0,
                  warmup_steps=0, eval_every=0, checkpoint_every=0, memory_size=0, memory_warmup=0,
                  kanji_classes=2, kanji_train_instances=2, kanji_test_instances=2)
     for name, value in least.items():
