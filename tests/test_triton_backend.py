@@ -65,13 +65,13 @@ def test_a_chunk_of_more_row_blocks_than_a_grid_axis_holds_takes_a_launch_per_pi
 
 @pytest.mark.skipif(triton_kernels is None, reason="Triton missing")
 def test_a_reference_set_past_int32_rows_is_refused(monkeypatch):
-    """Rows are indexed in int32 (keys' ranks, default identities): 2^31 rows with the batch are refused
-    before any launch (a reference set of one row expanded, which takes no memory; copying its rows,
-    which the plan would do next, would take 128 GiB)."""
+    """Rows are indexed in int32 (keys' ranks, default identities, offsets of up to 4 B): 2^29 rows with
+    the batch are refused before any launch (a reference set of one row expanded, which takes no
+    memory; copying its rows, which the plan would do next, would take 16 GiB)."""
     monkeypatch.setattr(operands, "_aligned_rows", lambda *args: pytest.fail("the rows were copied before the check"))
-    rows = 2 ** 31 - 4
+    rows = 2 ** 29 - 4
     ref, ref_labels = torch.zeros(1, 16).expand(rows, 16), torch.zeros(1, dtype=torch.int64).expand(rows)
-    with pytest.raises(ValueError, match="hold 2147483648 rows together, at most 2"):
+    with pytest.raises(ValueError, match=r"hold 536870912 rows together, at most 2\^29 - 1"):
         operands.plan_operands(torch.randn(4, 16), torch.arange(4), None, ref, ref_labels, None)
 
 

@@ -62,9 +62,12 @@ def plan_operands(x, labels, ids, ref, ref_labels, ref_ids, default_ids=True):
     so the diagonal is skipped). The inputs are checked before: by the loss, or by the ops (op.py)."""
     batch = x.shape[0]
     rows = batch + (0 if ref is None else ref.shape[0])
-    if rows >= 2 ** 31:  # (the keys' ranks, the default identities and the kernels' row indices)
+    # The kernels index rows in int32, and so the keys' ranks and the default identities: below 2^29 rows,
+    # a per-anchor statistic's offset (up to 4 B) and a column split's end (up to about 2 R) stay in range.
+    if rows >= 2 ** 29:
         raise ValueError(f"the triton backend indexes rows in int32: the batch and the reference set hold {rows} "
-                         f"rows together, at most 2^31 - 1 (use backend='reference', or a smaller memory bank)")
+                         f"rows together, at most 2^29 - 1 (use backend='cuda' or 'reference', or a smaller "
+                         f"memory bank)")
     dtype = x.dtype if ref is None else torch.promote_types(x.dtype, ref.dtype)
     x = _aligned_rows(x, dtype)
     ref = None if ref is None else _aligned_rows(ref, dtype)

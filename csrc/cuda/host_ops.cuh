@@ -49,6 +49,9 @@ Operands prepare(const at::Tensor& x, const at::Tensor& labels, const std::optio
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
               "ms_loss (CUDA): embeddings must be float32, float16 or bfloat16, got ", dtype,
               " (use the cpu backend for float64)");
+  // the backward's grid takes the columns in blocks of 64 or more on its y axis, of at most 65535
+  TORCH_CHECK(x.size(1) <= int64_t(65535) * 64, "ms_loss (CUDA): embeddings of at most 4194240 columns, got ",
+              x.size(1));
   Operands in;
   in.self_case = !ref.has_value();
   in.a = aligned_rows(x, dtype);
