@@ -108,10 +108,12 @@ def test_more_steps_on_resume_follow_the_new_schedule(tmp_path, monkeypatch, cap
     main(_kanji_args(tmp_path / "whole", tmp_path / "cache", "--steps", 6))
     whole, rates[:] = list(rates), []
     main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 3))
-    capsys.readouterr()
+    assert "holds an earlier run" not in capsys.readouterr().out
     main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 6, "--resume", "--ks", 1, 5))
     assert rates[3:] == whole[3:] and rates[3] > 0
     assert "recall@1:" in capsys.readouterr().out
+    main(_kanji_args(tmp_path / "parts", tmp_path / "cache", "--steps", 1))  # (a new run over the old one)
+    assert f"note: {tmp_path / 'parts' / 'checkpoint.pt'} holds an earlier run" in capsys.readouterr().out
 
 
 def test_the_console_script_exits_with_status_0(tmp_path, monkeypatch):

@@ -286,6 +286,8 @@ def main(argv=None):
     # the steps since the last evaluation (their loss, mined share and count) and the training time so far
     step, history, running = 0, [], dict(loss=0.0, mined=0.0, steps=0, seconds=0.0)
     resume = [args.resume and os.path.exists(checkpoint_path)]
+    if rank == 0 and not args.resume and os.path.exists(checkpoint_path):
+        print(f"note: {checkpoint_path} holds an earlier run, which this one replaces (--resume continues it)")
     if world > 1:  # rank 0 decides: every rank must take the same path through the collectives
         dist.broadcast_object_list(resume, src=0)
     if resume[0]:
