@@ -158,6 +158,12 @@ def check_inputs(embeddings, labels, ref_embeddings, ref_labels, ids, ref_ids):
                              ", ".join(f"{name} on {t.device}" for name, t in named if t is not None))
 
 
+def savable(*tensors):
+    """`tensors` for ctx.save_for_backward, each as it is but one made under torch.inference_mode (keys
+    made there, say), which autograd refuses to save: a copy of it, made outside."""
+    return tuple(t.clone() if t is not None and t.is_inference() else t for t in tensors)
+
+
 # ---- reduction and non-finite inputs ------------------------------------------------------------
 def reduce_losses(losses, reduction):
     """"mean" divides by B (every anchor counts, 0 for B = 0), "sum" sums, "none" keeps [B]."""

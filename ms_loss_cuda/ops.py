@@ -11,8 +11,8 @@ differentiable forward op that traced calls of the loss run (`fused_forward` for
 
 import torch
 
-from .common import (HYPER_PARAMETERS, compute_dtype, nan_if_nonfinite, reduce_losses, unit_rows_and_norms,
-                     unit_rows_grad)
+from .common import (HYPER_PARAMETERS, compute_dtype, nan_if_nonfinite, reduce_losses, savable,
+                     unit_rows_and_norms, unit_rows_grad)
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.ms_loss_cuda)
@@ -95,7 +95,7 @@ class _EagerLoss(torch.autograd.Function):
         # (x and ref themselves only where they take a gradient, which first_derivative_only ties to: a
         # bank that takes none may be written in place before the backward, as the ops path allows)
         ctx.save_for_backward(x if ctx.needs_input_grad[0] else None, ref if ctx.needs_input_grad[1] else None,
-                              a, a_norms, b, b_norms, stats, labels, ids, ref_labels, ref_ids)
+                              *savable(a, a_norms, b, b_norms, stats, labels, ids, ref_labels, ref_ids))
         ctx.hyper_parameters, ctx.reduction = hyper_parameters, reduction
         loss = reduce_losses(losses, reduction)
         if not normalize:

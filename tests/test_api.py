@@ -461,6 +461,24 @@ def test_a_bank_written_before_the_backward(backend, reduction):
     assert torch.equal(grad, expected) and expected.abs().sum() > 0
 
 
+@pytest.mark.parametrize("backend", ["reference"] + [b for b in ("cpu", "triton") if b in available_backends(
+    "cpu" if b == "cpu" else TRITON_DEVICE)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_keys_made_under_inference_mode(backend, reduction):
+    """Labels and identities made under torch.inference_mode (which autograd cannot save) train as any
+    others: the fused backends keep a copy of them for the backward."""
+    device = "cpu" if backend in ("cpu", "reference") else TRITON_DEVICE
+    x, labels = make_batch(21, 8, 4, dtype=torch.float32)
+    x, labels = x.to(device).requires_grad_(), labels.to(device)
+    ids = torch.arange(21, device=device, dtype=torch.int32)
+    with torch.inference_mode():
+        frozen_labels, frozen_ids = labels.clone(), ids.clone()
+    grad_output = torch.rand(21 if reduction == "none" else (), device=device) + 0.5
+    grads = [torch.autograd.grad(multi_similarity_loss(x, keys[0], ids=keys[1], reduction=reduction, backend=backend),
+                                 x, grad_output)[0] for keys in ((labels, ids), (frozen_labels, frozen_ids))]
+    assert torch.equal(grads[1], grads[0]) and grads[0].abs().sum() > 0
+
+
 @pytest.mark.skipif("triton" not in available_backends(TRITON_DEVICE), reason="needs Triton (or its interpreter)")
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_the_chunked_backward_keeps_float32_products_under_autocast(with_ref, monkeypatch):

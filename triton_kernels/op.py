@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from ..common import check_inputs, nan_if_nonfinite, reduce_losses
+from ..common import check_inputs, nan_if_nonfinite, reduce_losses, savable
 from .backward import Reorder, backward_plan
 from .forward import forward_plan, forward_plan_keeping_rows
 from .launcher import run
@@ -315,10 +315,10 @@ class _EagerLoss(torch.autograd.Function):
             loss, *grads = replay.call(lambda *tensors: _step_with_gradients(*tensors, *options), inputs, (1,),
                                        (1, 2), options, x.device, pairs)
             saved, ctx.leases = replay.for_backward(grads)
-            ctx.save_for_backward(*tied, *saved)
+            ctx.save_for_backward(*tied, *savable(*saved))
             return loss
         losses, finite, _, saved = _forward_step(*inputs, hyper_parameters, normalize, wanted[1])
-        ctx.save_for_backward(*tied, *saved)
+        ctx.save_for_backward(*tied, *savable(*saved))
         return _reduced(losses, reduction, dtype, x, ref, finite)
 
     @staticmethod
