@@ -46,14 +46,24 @@ def _gather(t, sizes):
     return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def gather(embeddings, labels, ids=None):
     """(embeddings, labels, ids of the global batch, this rank's ids): the embeddings keep their
-    gradient; the default identity of a sample is its position in the global batch (rank order)."""
+    gradient, the keys are int64 (uint64 stays uint64); the default identity of a sample is its
+    position in the global batch (rank order). Every rank must give rows of one D and one dtype."""
     _require_process_group()
-    size = torch.tensor([embeddings.shape[0]], device=embeddings.device)  # (NCCL: CUDA tensors only)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    sizes = [int(s) for s in sizes]
+    if embeddings.dim() != 2:
+        raise ValueError(f"embeddings must be [B, D], got shape {tuple(embeddings.shape)}")
+    shape = (*embeddings.shape, _DTYPES.index(embeddings.dtype) if embeddings.dtype in _DTYPES else -1)
+    shape = torch.tensor(shape, device=embeddings.device)  # (NCCL: CUDA tensors only)
+    shapes = [torch.zeros_like(shape) for _ in range(dist.get_world_size())]
+    dist.all_gather(shapes, shape)
+    if any(not torch.equal(s[1:], shapes[0][1:]) for s in shapes):  # (every rank finds it: none waits)
+        raise ValueError("every process must give embeddings of one D and one dtype; they gave "
+                         + ", ".join(f"D = {int(s[1])} of {_DTYPES[int(s[2])] if s[2] >= 0 else '?'}" for s in shapes))
+    sizes = [int(s[0]) for s in shapes]
     if ids is None:
         offset = sum(sizes[:dist.get_rank()])
         ids = torch.arange(offset, offset + embeddings.shape[0], device=embeddings.device)
@@ -61,11 +71,11 @@ def gather(embeddings, labels, ids=None):
 
 
 def _gather_keys(keys, sizes):
-    """_gather of integer keys, sent as int64 (gloo has no int16 or unsigned type but uint8; uint64's
-    bits reinterpreted, not converted) and returned in their own dtype."""
+    """_gather of integer keys, as int64 (gloo has no int16 or unsigned type but uint8, and another
+    rank's keys may not fit this rank's dtype); uint64 keys' bits reinterpreted, not converted."""
     if keys.dtype == torch.uint64:
         return _gather(keys.view(torch.int64), sizes).view(torch.uint64)
-    return _gather(keys.long(), sizes).to(keys.dtype)
+    return _gather(keys.long(), sizes)
 
 
 def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_options):
@@ -74,7 +84,8 @@ def multi_similarity_loss(embeddings, labels, ids=None, *, memory=None, **loss_o
 
     Every rank gets the single-process value; its gradient is the world size times that of its own
     anchors' share, which DistributedDataParallel's averaging turns into the single-process gradient.
-    Unequal per-process batch sizes work. `memory`: a `CrossBatchMemory` (its loss options and weight
+    Unequal per-process batch sizes work. Every rank calls it, and takes its backward (the gathered
+    rows' gradient is summed across the ranks there). `memory`: a `CrossBatchMemory` (its loss options and weight
     apply; `ids` are then required); it stores the gathered batch, so every rank holds the same
     memory, and adds its term for this rank's anchors, reduced over the global batch like the rest.
     """

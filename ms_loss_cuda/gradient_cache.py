@@ -92,7 +92,10 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     if not loss.requires_grad:
         raise ValueError("loss_fn's loss takes no gradient from the embeddings it was given: it must be computed "
                          "from them, in floating point, with grad mode on (cached_step under torch.no_grad?)")
-    (grad,) = torch.autograd.grad(loss, embeddings)
+    loss.backward()  # (the embeddings' gradient, and that of any parameter loss_fn itself uses)
+    grad = embeddings.grad
+    if grad is None:
+        raise ValueError("loss_fn's loss does not depend on the embeddings it was given")
     for number, (start, state) in enumerate(zip(starts, states)):
         last = number == len(starts) - 1
         with (contextlib.nullcontext() if last or no_sync is None else no_sync()):

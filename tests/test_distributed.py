@@ -60,8 +60,33 @@ def _worker(rank, port, configs, steps, out):
     for config in configs:  # (each DistributedDataParallel is gone before the group)
         memory_size, options, dtype = CONFIGS[config]
         _train(rank, _memory_options(config), memory_size, steps, dtype, os.path.join(out, f"{config}-rank{rank}.pt"))
+    torch.save(_edges(rank), os.path.join(out, f"edges-rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _mixed_keys():
+    """Rows and labels of the global batch; rank 0's labels are int8, rank 1's int64 beyond int8's range."""
+    x = torch.randn(sum(SIZES), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 0, 256, 256, 257, 257])
+    return x, labels
+
+
+def _edges(rank):
+    """(loss and gradient with another dtype of labels on each rank, what a rank is told when the
+    ranks' rows differ in D)."""
+    x, labels = _mixed_keys()
+    start = sum(SIZES[:rank])
+    mine = slice(start, start + SIZES[rank])
+    rows, keys = x[mine].clone().requires_grad_(), labels[mine].to(torch.int8 if rank == 0 else torch.int64)
+    loss = distributed.multi_similarity_loss(rows, keys, backend="reference")
+    loss.backward()
+    try:
+        distributed.multi_similarity_loss(torch.randn(2, 3 + rank), torch.arange(2))
+        told = None
+    except ValueError as error:
+        told = str(error)
+    return loss.detach(), rows.grad, told
 
 
 def _train(rank, options, memory_size, steps, dtype, out):
@@ -118,8 +143,26 @@ def two_process_results(tmp_path_factory):
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in processes] == [0] * WORLD
-    return {config: [torch.load(os.path.join(out, f"{config}-rank{rank}.pt")) for rank in range(WORLD)]
-            for config in configs}
+    results = {config: [torch.load(os.path.join(out, f"{config}-rank{rank}.pt")) for rank in range(WORLD)]
+               for config in configs}
+    results["edges"] = [torch.load(os.path.join(out, f"edges-rank{rank}.pt")) for rank in range(WORLD)]
+    return results
+
+
+def test_keys_of_two_dtypes_and_rows_of_two_widths_across_processes(two_process_results):
+    """int8 labels on one rank beside int64 labels that int8 cannot hold on the other: the
+    single-process loss and gradient (world size times each rank's share). Ranks whose rows differ
+    in D are each told so, rather than left in a collective of mismatched sizes."""
+    x, labels = _mixed_keys()
+    rows = x.clone().requires_grad_()
+    loss = ms_loss_cuda.multi_similarity_loss(rows, labels, backend="reference")
+    loss.backward()
+    for rank, (got_loss, got_grad, told) in enumerate(two_process_results["edges"]):
+        start = sum(SIZES[:rank])
+        torch.testing.assert_close(got_loss, loss.detach())
+        torch.testing.assert_close(got_grad, WORLD * rows.grad[start:start + SIZES[rank]])
+        assert told == ("every process must give embeddings of one D and one dtype; they gave D = 3 of "
+                        "torch.float32, D = 4 of torch.float32")
 
 
 @pytest.mark.parametrize("config", range(len(CONFIGS)), ids=["reference", "cpu-sum", "cpu-memory", "triton-memory"])
@@ -178,6 +221,8 @@ def test_keys_of_every_integer_dtype_are_gathered(tmp_path):
     order = [5, 1, 4, 0, 3, 2]
     cases = [(torch.tensor([2 ** 63 + i for i in order], dtype=torch.uint64), None),
              (torch.tensor(order, dtype=torch.int16), 8)]
+    wide_ids = torch.tensor([256 + i for i in order])  # (int8 labels beside int64 keys that int8 cannot hold)
+    narrow = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int8)
     results = {}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -194,6 +239,9 @@ def test_keys_of_every_integer_dtype_are_gathered(tmp_path):
                             ms_loss_cuda.multi_similarity_loss(rows, labels, ids=ids, backend="reference")
                     loss.backward()
                     results[case, way, step] = (loss.detach(), rows.grad)
+        # the gathered keys keep int64's range, which this rank's int8 labels would wrap
+        _, gathered_labels, gathered_ids, _ = distributed.gather(x, narrow, wide_ids)
+        assert gathered_labels.dtype == gathered_ids.dtype == torch.int64 and torch.equal(gathered_ids, wide_ids)
     finally:
         dist.destroy_process_group()
     for case in range(len(cases)):

@@ -155,3 +155,28 @@ def test_encoders_inputs_and_losses_it_cannot_use_are_named():
             gradient_cache.cached_step(linear, x, loss_fn, 4)
     with torch.no_grad(), pytest.raises(ValueError, match="loss_fn's loss takes no gradient"):
         gradient_cache.cached_step(linear, x, lambda e: e.sum(), 4)
+    scale = torch.ones((), requires_grad=True)  # (a loss of the parameter alone)
+    with pytest.raises(ValueError, match="loss_fn's loss does not depend on the embeddings"):
+        gradient_cache.cached_step(linear, x, lambda e: scale * 2, 4)
+
+
+def test_parameters_the_loss_itself_uses_get_their_gradients():
+    """A learnable scale of the loss and a weight penalty inside loss_fn: their gradients accumulate as
+    loss.backward() would accumulate them, beside the encoder's."""
+    labels = torch.arange(19) % 4
+    results = []
+    for cached in (False, True):
+        model, inputs = _model_and_inputs(torch.nn.Tanh(), seed=3)
+        scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+
+        def loss_fn(e):
+            return scale * _loss_of(labels)(e) + 1e-2 * model[0].weight.square().sum()
+
+        if cached:
+            gradient_cache.cached_step(model, inputs, loss_fn, 5)
+        else:
+            _chunked_step(model, inputs, loss_fn)
+        results.append([scale.grad] + _grads(model))
+    assert results[0][0] is not None and results[0][0] != 0
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
