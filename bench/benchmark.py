@@ -38,8 +38,8 @@ import tempfile
 import time
 
 # (bench/, this script's folder; the other bench scripts take make_inputs, step_function and HARDNESS from here)
-from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PROVIDERS, SELF_CASE, TUNED, describe,
-                       make_inputs, step_function)
+from providers import (COMPILED, DEFAULT_PROVIDERS, FUSED, HARDNESS, PER_CLASS, PROVIDERS, SELF_CASE, TUNED,
+                       describe, make_inputs, step_function)
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -190,6 +190,9 @@ def machine_info():
     info = {"build": build_name(), "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "platform": platform.platform(), "cores": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d")}
+    settings = {name: value for name, value in sorted(os.environ.items()) if name.startswith("MS_LOSS_")}
+    if settings:  # (the backends' budgets and switches, where set: bench workers inherit them)
+        info["settings"] = settings
     try:
         import pytorch_metric_learning
 
@@ -227,7 +230,8 @@ def available_mib(device="cpu"):
 def run_worker(provider, batch, args):
     command = [sys.executable, __file__, "--worker", provider, str(batch), "--dim", str(args.dim),
                "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
-               "--dtype", args.dtype, "--hardness", args.hardness] + (["--no-mining"] if args.no_mining else [])
+               "--dtype", args.dtype, "--hardness", args.hardness] + (["--no-mining"] if args.no_mining else []) \
+        + (["--tf32"] if args.tf32 else [])
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:  # a compile from an empty cache, as at first
         done = subprocess.run(command, capture_output=True, text=True,
                               env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
@@ -408,6 +412,10 @@ def main():
     parser.add_argument("--worker", nargs=2, metavar=("PROVIDER", "B"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        if args.tf32:  # (a worker times under the precision its parent records)
+            import torch
+
+            torch.set_float32_matmul_precision("high")
         print(json.dumps(measure_cpu(args.worker[0], int(args.worker[1]), args)))
         return
     if (args.bank or args.tuned) and args.device != "cuda":
@@ -417,10 +425,17 @@ def main():
     small = [(name, value) for name, value in counts if value < 1]
     if small or not args.max_seconds > 0:
         parser.error(f"--{small[0][0]} must be at least 1, got {small[0][1]}" if small else "--max-seconds must be > 0")
+    if not args.sizes and not args.bank:
+        parser.error("nothing to measure: give --sizes (or --bank)")
+    uneven = [b for b in args.sizes + [args.bank_batch] * bool(args.bank) if b % PER_CLASS]
+    if uneven:
+        parser.error(f"batch sizes are P classes of {PER_CLASS} samples: {uneven[0]} is not a multiple of {PER_CLASS}")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
     providers = args.providers or DEFAULT_PROVIDERS[args.device] + (TUNED if args.tuned else ())
     shapes = [(b, None) for b in sorted(args.sizes)] + [(args.bank_batch, r) for r in sorted(args.bank)]
-
-    import torch
 
     from ms_loss_cuda import reference
 

@@ -38,6 +38,8 @@ def main():
     if args.worker:
         print(json.dumps(measure(args.worker == "faiss", args.rows, args.dim)))
         return
+    if args.rows <= 1000 or args.dim < 1:
+        parser.error("--rows must be more than 1000 (Recall@1000 ranks 1000 others), --dim at least 1")
     results = {"machine": machine_info(), "rows": args.rows, "dim": args.dim}
     for backend in ("faiss", "torch"):
         done = subprocess.run([sys.executable, __file__, "--worker", backend, "--rows", str(args.rows), "--dim",
@@ -48,6 +50,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
+    if any("failed" in results[backend] for backend in ("faiss", "torch")):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def summary(runs, key):
 def table(info, runs):
     """The markdown table: one row per setting, and the untrained model's."""
     seeds = len(next(iter(runs.values())))
-    lines = [f"| setting | steps | images seen | " + " | ".join(f"{label} (%)" for _, label in METRICS)
+    lines = ["| setting | steps | images seen | " + " | ".join(f"{label} (%)" for _, label in METRICS)
              + " | train minutes |", "|---|---|---|" + "---|" * (len(METRICS) + 1)]
     first = next(iter(runs.values()))
     untrained = " | ".join(f"{mean:.2f}" for mean, _ in (summary([dict(r, history=r["history"][:1]) for r in first],

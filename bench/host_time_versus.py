@@ -25,7 +25,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def import_checkout(root):
     """ms_loss_cuda (and ms_loss_cuda.triton_kernels, which setup.py maps from triton_kernels/) from
-    the checkout at `root`, ahead of any installed copy."""
+    the checkout at `root`, ahead of any installed copy; SystemExit where `root` holds no ms_loss_cuda
+    package (the installed one would be measured in its place)."""
+    if not os.path.isfile(os.path.join(root, "ms_loss_cuda", "__init__.py")):
+        raise SystemExit(f"{root} is not a checkout of this project: it has no ms_loss_cuda/__init__.py")
     sys.path.insert(0, root)
     kernels = os.path.join(root, "triton_kernels")
     if not os.path.isdir(os.path.join(root, "ms_loss_cuda", "triton_kernels")) and os.path.isdir(kernels):
@@ -45,7 +48,8 @@ def revision(root):
     def git(*command):
         return subprocess.run(["git", "-C", root, *command], capture_output=True, text=True).stdout.strip()
 
-    if os.path.realpath(git("rev-parse", "--show-toplevel") or "/nonexistent") != os.path.realpath(root):
+    top = git("rev-parse", "--show-toplevel")
+    if not top or os.path.realpath(top) != os.path.realpath(root):
         return "no git checkout"
     return f"commit {git('rev-parse', '--short', 'HEAD') or '?'}" + (" + uncommitted changes" if git(
         "status", "--porcelain", "--untracked-files=no") else "")

@@ -70,7 +70,11 @@ def main():
     print(f"triton {triton.__version__}, sm_{args.cc}, {args.dtype}, D = {args.dim}, mining on"
           + ("" if args.rows == 4096 else f", B = {args.rows}")
           + (f", PRECISION {args.precision}" if args.precision else "") + (f", {args.table}'s tiles" if args.table else ""))
-    for name, shipped in triton_aot.launches(args.dtype, args.dim, True, False, args.cc).items():
+    launches = triton_aot.launches(args.dtype, args.dim, True, False, args.cc)
+    unknown = [k for k in args.kernels if not any(name.startswith(k) for name in launches)]
+    if unknown:
+        parser.error(f"--kernels {' '.join(unknown)}: no launch of that name (the kernels: {', '.join(sorted({n.split('[')[0] for n in launches}))})")
+    for name, shipped in launches.items():
         if not name.startswith(tuple(args.kernels)):
             continue
         for tiles in [None] + [tuple(int(v) for v in t.split(",")) for t in args.tiles]:

@@ -2,8 +2,10 @@
 pytorch-metric-learning's CrossBatchMemory (MultiSimilarityLoss + MultiSimilarityMiner), a batch of
 --batch rows against a memory of --size (XBM's: 1000 against 55,000 at D = 512 by default). Each
 memory is filled directly with what earlier steps would have stored, then the step (forward +
-backward of the batch's embeddings, the batch enqueued) is timed.
-On CPU one step, its peak resident memory above the inputs; on CUDA the median of --repeats steps
+backward of the batch's embeddings, the batch enqueued) is timed, each provider in a fresh process.
+The two compute different losses: ours XBM's batch term and memory term, pytorch-metric-learning's
+the memory term alone (which takes most of the time).
+On CPU the second step, after an untimed first, and its peak resident memory above the inputs; on CUDA the median of --repeats steps
 between CUDA events after three warm-up steps, torch.cuda.max_memory_allocated above the inputs
 from the first warm-up step on, and what stays between steps (bench/benchmark.py's `kept_mib`).
     python bench/memory_benchmark.py --out bench/results/memory
@@ -13,11 +15,13 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-from benchmark import kept_between_steps_mib, machine_info, track_peak_rss  # (bench/: the script's folder)
+from benchmark import kept_between_steps_mib, machine_info, release_free_memory, track_peak_rss  # (bench/: the script's folder)
 from ms_loss_cuda import CrossBatchMemory
 
 PROVIDERS = ("ours", "pml")
@@ -57,6 +61,9 @@ def measure(provider, args):
     ids = torch.arange(args.size, args.size + args.batch, device=device)
     step = filled_memory(provider, args, rows, labels)
     if device.type == "cpu":
+        step(x, y, ids).backward()  # (untimed: the first call's one-time work)
+        x.grad = None
+        release_free_memory()  # (the peak then counts what the step allocates, not reuse of the first's)
         peak = track_peak_rss()
         start = time.perf_counter()
         step(x, y, ids).backward()
@@ -92,16 +99,31 @@ def main():
     parser.add_argument("--providers", nargs="+", default=["ours"], choices=PROVIDERS)
     parser.add_argument("--repeats", type=int, default=10, help="CUDA: timed steps")
     parser.add_argument("--out", default="bench/results/memory")
+    parser.add_argument("--worker", choices=PROVIDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    results = []
+    if args.worker:
+        print(json.dumps(measure(args.worker, args)))
+        return
+    if args.size < 4 or args.batch < 1 or args.dim < 1:
+        parser.error("--size must be at least 4 (classes of 4 rows), --batch and --dim at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
+    results, info = [], machine_info()
+    options = [f"--{name}={getattr(args, name)}" for name in ("size", "batch", "dim", "device", "dtype", "repeats")]
     for provider in args.providers:
+        done = subprocess.run([sys.executable, __file__, "--worker", provider, *options], capture_output=True, text=True)
         result = dict(provider=provider, batch=args.batch, size=args.size, dim=args.dim, device=args.device,
-                      dtype=args.dtype, **measure(provider, args))
-        print(f"{provider:5s} {result['seconds'] * 1e3:9.3f} ms  {result['peak_extra_mib']:8.0f} MiB", flush=True)
+                      dtype=args.dtype)
+        if done.returncode == 0:
+            result.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"{provider:5s} {result['seconds'] * 1e3:9.3f} ms  {result['peak_extra_mib']:8.0f} MiB", flush=True)
+        else:
+            result["failed"] = (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]
+            print(f"{provider:5s} failed: {result['failed']}", flush=True)
         results.append(result)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"machine": machine_info(), "results": results}, f, indent=1)
+        os.makedirs(args.out, exist_ok=True)  # (after each provider: a later failure keeps the earlier results)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"machine": info, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ PROVIDER_HELP = {
     "floor": "X @ X.T (X @ R.T with a bank) forward+backward alone: the GEMM work no exact method avoids",
     "matmul4": "four X @ X.T products, no backward: the GPU yardstick (an unfused dense step's products)",
     "reference": "ms_loss_cuda's dense PyTorch backend (the B x R matrix in memory)",
-    "cpu": "ms_loss_cuda's fused C++ backend (no B x R matrix)",
+    "cpu": "ms_loss_cuda's fused C++ backend (no B x R matrix beyond MS_LOSS_CPU_SAVED_MB of pair weights)",
     "cpu-ops": "the cpu backend through its custom ops with torch's normalisation and reduction (the path"
                " torch.compile traces), where an eager call of cpu is one autograd node",
     "triton": "ms_loss_cuda's Triton backend (on a GPU its chunked backward: 256 MiB of pair weights at a time)",

@@ -10,7 +10,7 @@ W x = W_hi x_hi + (W_hi x_lo + W_lo x_hi) / 2^11. Tensor cores multiply float16 
 each instruction's products (16 of them a row here) into a float32 accumulator; published models of
 A100 and H100 tensor cores round that sum toward zero (RZ), a bias that grows with K where float32
 rounding to nearest (RN) does not. Both are modelled, for one product over all K and for products
-over K in pieces of --k-pieces columns added in float32, and compared with float64. The weights come
+over K in pieces of --k-pieces columns added in float64, and compared with float64. The weights come
 from the dense loss of bench/compiled_loss.py in float64 (autograd of its similarities).
     python bench/split_rounding.py --sizes 4096 8192 --out bench/results/cpu/split-rounding.txt
 """
@@ -72,7 +72,8 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     lines = [f"float16 pieces of float32 products W x against float64, the benchmark's data (typical), D = {args.dim}, "
-             f"the first {args.rows} rows of W; largest error over the largest entry of W x"]
+             f"the first {args.rows} rows of W (all of them where B is smaller); largest error over the largest "
+             f"entry of W x"]
     lines.append(f"{'B (= K)':>8} {'sums':>4} {'one product':>12} {f'K in {args.k_pieces}s':>12}")
     for batch in args.sizes:
         w, x = weights(batch, args.dim, args.rows)
