@@ -96,7 +96,7 @@ def measure_cpu(provider, batch, args):
         start = time.perf_counter()
         step(x)
         times.append(time.perf_counter() - start)
-    return {"seconds": min(times or [warm]), "runs": len(times) or 1, "peak_extra_mib": peak_mib,
+    return {"seconds": min(times or [warm]), "runs": len(times), "peak_extra_mib": peak_mib,
             "first_seconds": first, "threads": torch.get_num_threads()}
 
 

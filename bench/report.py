@@ -30,7 +30,7 @@ def ratio_columns(providers):
     CPU), compiled against each fused backend (compiled-graph against each -graph one), pml against each."""
     base = "matmul4" if "matmul4" in providers else "floor"
     fused = [f for f in FUSED if f in providers]
-    return ([(f, base) for f in fused]
+    return ([(f, base) for f in fused if base in providers]
             + [(c, f) for c in COMPILED if c in providers
                for f in fused if c.endswith("-graph") == f.endswith("-graph")]
             + [("pml", f) for f in fused if "pml" in providers])
@@ -67,8 +67,8 @@ def legend(rows, providers):
     """What the table's columns and cells hold: the lines printed under it."""
     ok = [r for r in rows if r.get("status") == "ok"]
     cuda = any(r["device"] == "cuda" for r in rows)
-    runs = sorted({r["runs"] for r in ok}) or [0]
-    runs = f"{runs[0]}" if runs[0] == runs[-1] else f"{runs[0]}-{runs[-1]}"
+    counts = sorted({r["runs"] for r in ok}) or [1]
+    runs = f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
     how = (f"median of {runs} runs between CUDA events" if cuda else
            f"best of {runs} runs (at least --repeats, more as fit 1 s; each provider and B in a fresh process)")
     lines = ["B (x R): B anchors against the batch itself (the diagonal skipped); B x R: against a memory bank of "
@@ -81,6 +81,8 @@ def legend(rows, providers):
                                                        "in the warm-up step (the second call: the first one, "
                                                        "untimed, compiles and makes the one-time allocations)")
              + "."]
+    if not cuda and counts[0] == 0:
+        lines.append("0 runs: a step longer than --max-seconds is timed once, in its warm-up (the second call).")
     lines += [f"{p}: {describe(p)}." for p in providers]
     if ratio_columns(providers):
         lines.append("a / b: a's time over b's (above 1: b is faster).")
