@@ -62,7 +62,8 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     inputs: a tensor (or anything sliceable with a length) of the whole batch.
     loss_fn: embeddings [B, D] -> scalar loss (labels, memory and distributed gathering are its business).
     no_sync: for DistributedDataParallel, `model.no_sync`: the gradient all-reduce then runs once, in
-    the last chunk's backward, instead of once per chunk.
+    the last chunk's backward, instead of once per chunk. Every process needs at least one input: an
+    empty batch is refused, and the other processes would then wait in their collectives.
     model: the module `encode` runs, where `encode` is not that module itself: its buffers (batch-norm
     running statistics) are put back as they were after the first pass, which then leaves no trace.
     """

@@ -168,8 +168,8 @@ class CrossBatchMemory(torch.nn.Module):
             raise ValueError("CrossBatchMemory stores the rows it is given, which a meta tensor has none of")
         if self.filled and rows.dtype != self.embeddings.dtype:
             raise TypeError(f"this memory holds {self.embeddings.dtype} rows, which {name} of {rows.dtype} would "
-                            f"store over and compare in their own dtype: keep one dtype from step to step, or "
-                            f"start a new memory")
+                            f"store over and compare in their own dtype: keep one dtype from step to step (a loaded "
+                            f"state brings its rows' dtype), or start a new memory")
 
     # The ring's position, fill and call count are host integers that change at every step: a compiled
     # graph would be specialised on them and recompiled at each step until torch.compile gives up. So the

@@ -201,3 +201,5 @@ def test_kanji_sets(tmp_path):
     assert [p.name.count(".") for p in tmp_path.iterdir()] == [1]  # one cache file, its part renamed into place
     again = kanji.load(str(tmp_path), train_per_class=3, test_per_class=2, size=24, classes=20)  # from the cache
     np.testing.assert_array_equal(again["train"][0], x)
+    with pytest.raises(ValueError, match=f"classes must be from 2 .* to {len(files):,} .*, got {len(files) + 1}"):
+        kanji.load(str(tmp_path), classes=len(files) + 1)

@@ -83,8 +83,12 @@ def load_data(args):
     """(train, test): TensorData or data.ImageDataset each."""
     if args.data == "kanji":
         cache = args.root or os.path.join(os.path.dirname(os.path.abspath(args.out)), "data")
-        sets = kanji.load(cache, train_per_class=args.kanji_train_instances, test_per_class=args.kanji_test_instances,
-                          size=args.image_size, jitter=args.kanji_jitter, classes=args.kanji_classes)
+        try:
+            sets = kanji.load(cache, train_per_class=args.kanji_train_instances,
+                              test_per_class=args.kanji_test_instances, size=args.image_size, jitter=args.kanji_jitter,
+                              classes=args.kanji_classes)
+        except ValueError as error:  # (more characters than KanjiVG has)
+            raise SystemExit(f"--kanji-{error}") from None
         return [TensorData(torch.from_numpy(x), torch.from_numpy(y)) for x, y in (sets["train"], sets["test"])]
     if args.data == "features":
         if not (args.train_features and args.test_features):

@@ -138,9 +138,10 @@ def load(cache_dir, *, train_per_class=8, test_per_class=5, size=32, jitter=1.8,
     """{"train": (images, labels), "test": (images, labels)}, rendered once and cached as .npz under
     `cache_dir` (the key holds every setting). jitter 1.8 looks like hurried handwriting. `classes` limits the number of characters (for quick
     runs); None takes all."""
-    if classes is not None and classes < 2:
-        raise ValueError(f"classes must be at least 2 (half train, half test), got {classes}")
     files = characters()
+    if classes is not None and not 2 <= classes <= len(files):
+        raise ValueError(f"classes must be from 2 (half train, half test) to {len(files):,} (KanjiVG's characters), "
+                         f"got {classes}")
     if classes is not None:
         files = files[:: max(1, len(files) // classes)][:classes]
     key = hashlib.sha1(repr((len(files), files[-1], train_per_class, test_per_class, size, jitter, seed)).encode()).hexdigest()
