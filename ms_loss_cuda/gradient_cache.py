@@ -10,7 +10,7 @@ With batch-norm in training mode each chunk is normalised by its own statistics 
 the gradient is still the exact one of that chunked forward), and its running statistics are updated
 once a chunk, as that chunked forward updates them: the model's buffers are put back after the first
 pass. Random operations inside the encoder (dropout) replay the same random numbers in both passes,
-on the CPU and on the current GPU.
+on the CPU and on the GPUs of the inputs and of the model (the current GPU where neither is on one).
 """
 import contextlib
 import numbers
@@ -20,26 +20,28 @@ import torch
 __all__ = ["cached_step"]
 
 
-def _cuda_device(inputs):
-    """The GPU whose random numbers the encoder draws: the inputs' if they are on one, else the current
-    GPU once CUDA is in use (an encoder may move CPU inputs, or inputs that are not a tensor, there);
-    None without CUDA."""
-    if isinstance(inputs, torch.Tensor) and inputs.device.type == "cuda":
-        return inputs.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+def _cuda_devices(inputs, model):
+    """The GPUs whose random numbers the encoder may draw: the inputs' and the model's (an encoder moves
+    CPU inputs, or inputs that are not a tensor, to its model's GPU, which need not be the current one),
+    else the current GPU once CUDA is in use; none without CUDA."""
+    tensors = ([inputs] if isinstance(inputs, torch.Tensor) else []) + (
+        [] if model is None else [*model.parameters(), *model.buffers()])
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    if not devices and torch.cuda.is_initialized():
+        devices = [torch.cuda.current_device()]
+    return devices
 
 
-def _rng_states(device):
-    return torch.get_rng_state(), (None if device is None else torch.cuda.get_rng_state(device))
+def _rng_states(devices):
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
 
 
 @contextlib.contextmanager
-def _replay(states, device):
-    devices = [] if device is None else [device]
+def _replay(states, devices):
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(states[0])
-        if states[1] is not None:
-            torch.cuda.set_rng_state(states[1], device)
+        for device, state in zip(devices, states[1]):
+            torch.cuda.set_rng_state(state, device)
         yield
 
 
@@ -75,13 +77,13 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     if len(inputs) == 0:
         raise ValueError("cached_step needs a batch of at least one input")
     starts = range(0, len(inputs), chunk_size)
-    device = _cuda_device(inputs)
     model = encode if model is None and isinstance(encode, torch.nn.Module) else model
+    devices = _cuda_devices(inputs, model)
     states, parts = [], []
     with torch.no_grad():
         buffers = [] if model is None else [(b, b.clone()) for b in model.buffers()]
         for start in starts:
-            states.append(_rng_states(device))
+            states.append(_rng_states(devices))
             parts.append(_rows(encode(inputs[start:start + chunk_size]), start, min(chunk_size, len(inputs) - start)))
         for buffer, before in buffers:
             buffer.copy_(before)
@@ -100,7 +102,7 @@ def cached_step(encode, inputs, loss_fn, chunk_size, *, no_sync=None, model=None
     for number, (start, state) in enumerate(zip(starts, states)):
         last = number == len(starts) - 1
         with (contextlib.nullcontext() if last or no_sync is None else no_sync()):
-            with _replay(state, device):
+            with _replay(state, devices):
                 again = encode(inputs[start:start + chunk_size])
             again.backward(grad[start:start + chunk_size].to(again.dtype))
     return loss.detach(), embeddings.detach()

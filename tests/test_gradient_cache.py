@@ -1,4 +1,6 @@
 """Embedding-gradient caching: the chunked step's parameter gradients against the plain step's."""
+import types
+
 import pytest
 import torch
 
@@ -127,6 +129,17 @@ def test_dropout_on_the_gpu_replays_for_inputs_that_the_encoder_moves_there():
     gradient_cache.cached_step(encode, inputs, loss_fn, 5)
     for got, expected in zip(_grads(model), want):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_random_states_replayed_are_those_of_the_models_gpus():
+    """An encoder may move CPU inputs to its model's GPU, which need not be the current one: the GPUs of
+    the model's parameters and buffers are the ones whose random numbers are replayed (stood in for here:
+    their devices alone)."""
+    on = lambda index: types.SimpleNamespace(device=torch.device("cuda", index))  # noqa: E731
+    model = types.SimpleNamespace(parameters=lambda: [on(1), on(1)], buffers=lambda: [on(2)])
+    assert gradient_cache._cuda_devices(torch.zeros(3), model) == [1, 2]
+    current = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    assert gradient_cache._cuda_devices(torch.zeros(3), torch.nn.Linear(2, 2)) == current
 
 
 def test_bad_chunk_size_and_empty_batch():
