@@ -233,12 +233,18 @@ def run_worker(provider, batch, args):
                "--dtype", args.dtype, "--hardness", args.hardness] + (["--no-mining"] if args.no_mining else []) \
         + (["--tf32"] if args.tf32 else [])
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:  # a compile from an empty cache, as at first
-        done = subprocess.run(command, capture_output=True, text=True,
-                              env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
-    if done.returncode != 0:  # (killed: out of memory; else the last line, the exception's)
+        result, failure = run_json_worker(command, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
+    return {"status": failure} if failure else dict(result, status="ok")
+
+
+def run_json_worker(command, env=None):
+    """Runs a bench script's worker `command` in a fresh process, whose last line of output is a JSON
+    dict: (that dict, None), or (None, why it failed: killed, out of memory, or its error's last line)."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]
-        return {"status": "out of memory (killed)" if done.returncode in (-9, 137) else f"failed: {last}"}
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]), status="ok")
+        return None, "out of memory (killed)" if done.returncode in (-9, 137) else f"failed: {last}"
+    return json.loads(done.stdout.strip().splitlines()[-1]), None
 
 
 def pairs(row):

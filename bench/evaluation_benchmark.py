@@ -6,11 +6,10 @@ about SOP's). Each backend runs in a fresh process (peak resident memory above t
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-from benchmark import machine_info, track_peak_rss  # (bench/ is on the path of a script run from it)
+from benchmark import machine_info, run_json_worker, track_peak_rss  # (bench/ is on the path of a script run from it)
 
 
 def measure(use_faiss, rows, dim):
@@ -42,10 +41,9 @@ def main():
         parser.error("--rows must be more than 1000 (Recall@1000 ranks 1000 others), --dim at least 1")
     results = {"machine": machine_info(), "rows": args.rows, "dim": args.dim}
     for backend in ("faiss", "torch"):
-        done = subprocess.run([sys.executable, __file__, "--worker", backend, "--rows", str(args.rows), "--dim",
-                               str(args.dim)], capture_output=True, text=True)
-        results[backend] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
-                            else {"failed": done.stderr[-500:]})
+        measured, failure = run_json_worker([sys.executable, __file__, "--worker", backend, "--rows", str(args.rows),
+                                             "--dim", str(args.dim)])
+        results[backend] = measured or {"failed": failure}
         print(backend, results[backend], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -5,7 +5,8 @@ memory is filled directly with what earlier steps would have stored, then the st
 backward of the batch's embeddings, the batch enqueued) is timed, each provider in a fresh process.
 The two compute different losses: ours XBM's batch term and memory term, pytorch-metric-learning's
 the memory term alone (which takes most of the time).
-On CPU the second step, after an untimed first, and its peak resident memory above the inputs; on CUDA the median of --repeats steps
+On CPU the second step (after an untimed first) and its peak resident memory above the inputs; on
+CUDA the median of --repeats steps
 between CUDA events after three warm-up steps, torch.cuda.max_memory_allocated above the inputs
 from the first warm-up step on, and what stays between steps (bench/benchmark.py's `kept_mib`).
     python bench/memory_benchmark.py --out bench/results/memory
@@ -15,13 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-from benchmark import kept_between_steps_mib, machine_info, release_free_memory, track_peak_rss  # (bench/: the script's folder)
+# (bench/: the script's folder)
+from benchmark import kept_between_steps_mib, machine_info, release_free_memory, run_json_worker, track_peak_rss
 from ms_loss_cuda import CrossBatchMemory
 
 PROVIDERS = ("ours", "pml")
@@ -111,15 +112,13 @@ def main():
     results, info = [], machine_info()
     options = [f"--{name}={getattr(args, name)}" for name in ("size", "batch", "dim", "device", "dtype", "repeats")]
     for provider in args.providers:
-        done = subprocess.run([sys.executable, __file__, "--worker", provider, *options], capture_output=True, text=True)
+        measured, failure = run_json_worker([sys.executable, __file__, "--worker", provider, *options])
         result = dict(provider=provider, batch=args.batch, size=args.size, dim=args.dim, device=args.device,
-                      dtype=args.dtype)
-        if done.returncode == 0:
-            result.update(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"{provider:5s} {result['seconds'] * 1e3:9.3f} ms  {result['peak_extra_mib']:8.0f} MiB", flush=True)
+                      dtype=args.dtype, **(measured or {"failed": failure}))
+        if failure:
+            print(f"{provider:5s} {failure}", flush=True)
         else:
-            result["failed"] = (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]
-            print(f"{provider:5s} failed: {result['failed']}", flush=True)
+            print(f"{provider:5s} {result['seconds'] * 1e3:9.3f} ms  {result['peak_extra_mib']:8.0f} MiB", flush=True)
         results.append(result)
         os.makedirs(args.out, exist_ok=True)  # (after each provider: a later failure keeps the earlier results)
         with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -65,11 +65,14 @@ FREE = {"steps", "resume", "out", "eval_every", "eval_batch", "ks", "checkpoint_
         "device", "root"}
 
 
+def same_setting(a, b):
+    """Whether two values of an option are the same (a list of values equal to a tuple of them: argparse
+    gives a list where the default is a tuple, and a checkpoint's settings come back as lists)."""
+    return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
 def changed_settings(saved, args):
     """The options of `args` (a dict) that differ from the checkpoint's `saved` ones, as "--name OLD
     (now NEW)", but for FREE; none where the checkpoint records no options."""
-    def same(a, b):
-        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
-
     return [f"--{name.replace('_', '-')} {saved[name]} (now {value})" for name, value in sorted(args.items())
-            if name not in FREE and name in (saved or {}) and not same(saved[name], value)]
+            if name not in FREE and name in (saved or {}) and not same_setting(saved[name], value)]

@@ -9,6 +9,7 @@ import sys
 
 from ms_loss_cuda.common import check_hyper_parameters
 from ms_loss_cuda.loss import BACKENDS
+from ms_loss_cuda.train.checkpoint import same_setting
 from ms_loss_cuda.train.models import BUILT_IN
 
 DATA_SETS = ("kanji", "sop", "folders", "features")
@@ -59,7 +60,8 @@ def build_parser(description=None):
     _option(g, "--width", type=int, default=32, help="convnet: channels of its first block")
     _option(g, "--hidden", type=int, default=512, help="mlp: hidden units")
     _option(g, "--dim", type=int, default=128, help="embedding size")
-    _option(g, "--freeze-bn", action="store_true", help="batch-norm statistics and affine parameters fixed, as the MS authors train")
+    _option(g, "--freeze-bn", action="store_true",
+            help="batch-norm statistics and affine parameters fixed, as the MS authors train")
     g = p.add_argument_group("batches and optimisation")
     _option(g, "--batch-size", type=int, default=256, help="global batch (all processes together)")
     _option(g, "--per-class", type=int, default=4, help="M: samples per class in a batch")
@@ -99,8 +101,9 @@ def build_parser(description=None):
     _option(g, "--ks", type=int, nargs="+", default=(1, 10, 100, 1000),
             help="Recall@K's K, leave-one-out on the test set: each at most the test set's size - 1")
     _option(g, "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at evaluations)")
-    _option(g, "--resume", action="store_true", help="continue from OUT/checkpoint.pt when it exists (a larger --steps extends the run: the "
-                 "schedule of the new length from the step it resumes at)")
+    _option(g, "--resume", action="store_true",
+            help="continue from OUT/checkpoint.pt when it exists (a larger --steps extends the run: the schedule "
+                 "of the new length from the step it resumes at)")
     _option(g, "--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -173,12 +176,6 @@ def _unread_options(parser, args):
         **dict.fromkeys(("milestones", "gamma"), (args.schedule == "step", "--schedule step")),
         epsilon=(args.mining, "mining (it is off: --no-mining)"),
         **dict.fromkeys(("memory_weight", "memory_warmup"), (args.memory_size > 0, "--memory-size")))
-
-    def given(name):
-        value, default = getattr(args, name), parser.get_default(name)
-        return (list(value) if isinstance(value, (list, tuple)) else value) != (
-            list(default) if isinstance(default, (list, tuple)) else default)
-
     return [f"note: --{name.replace('_', '-')} has no effect without {needs}" for name, (read, needs) in readers.items()
-            if not read and given(name)]
+            if not read and not same_setting(getattr(args, name), parser.get_default(name))]
 
