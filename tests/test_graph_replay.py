@@ -215,11 +215,49 @@ def test_options_and_shapes_make_their_own_graphs_and_few_are_kept(captures, mon
     for _ in range(2):
         check(x, labels, alpha=3.0)
     assert len(captures) == replay.CAPACITY + 1
-    assert len(replay._graphs) == replay.CAPACITY
+    assert [len(store.graphs) for store in replay._stores.values()] == [replay.CAPACITY]
     monkeypatch.setattr(replay, "_EVICTIONS", 1)  # past the evictions allowed: new shapes run as they are
     for _ in range(3):
         check(x[:27], labels[:27])
     assert len(captures) == replay.CAPACITY + 1
+
+
+def test_each_device_keeps_its_own_graphs(monkeypatch):
+    """Steps on two devices of one process: each keeps CAPACITY graphs, and shapes cycling on one
+    neither evict the other's graphs nor count against its evictions (devices named on the CPU: the
+    bookkeeping alone is checked, with the stand-in capture)."""
+    made = []
+    monkeypatch.setattr(replay, "capturable", lambda device: True)
+    monkeypatch.setattr(replay, "capture", lambda step, inputs: (lambda g: (made.append(g), (g, g.outputs))[1])(
+        StandInGraph(step, inputs)))
+    monkeypatch.setattr(replay, "_EVICTIONS", 2)
+    monkeypatch.delenv("MS_LOSS_CUDA_GRAPHS", raising=False)
+    replay.clear()
+    first, second = torch.device("cpu", 0), torch.device("cpu", 1)
+
+    def step_on(device, rows, times=2):
+        for _ in range(times):
+            t = torch.arange(rows, dtype=torch.float32)
+            (out,) = replay.call(lambda a: (2 * a,), (t,), (), (), "options", device, rows)
+            assert torch.equal(out, 2 * t)
+
+    try:
+        for rows in range(1, replay.CAPACITY + 1):
+            step_on(first, rows)
+        assert len(made) == replay.CAPACITY
+        for rows in range(1, replay.CAPACITY + 4):  # two evictions allowed: the last shape runs as it is
+            step_on(second, rows)
+        assert len(made) == 2 * replay.CAPACITY + 2
+        assert [len(replay._stores[d].graphs) for d in (first, second)] == [replay.CAPACITY] * 2
+        replays = [g.replays for g in made[:replay.CAPACITY]]
+        for rows in range(1, replay.CAPACITY + 1):  # the first device's graphs are all still there
+            step_on(first, rows, times=1)
+        assert len(made) == 2 * replay.CAPACITY + 2
+        assert [g.replays for g in made[:replay.CAPACITY]] == [r + 1 for r in replays]
+        step_on(first, replay.CAPACITY + 1)  # and its evictions are its own: room for a new shape
+        assert len(made) == 2 * replay.CAPACITY + 3
+    finally:
+        replay.clear()
 
 
 def test_no_capture_when_turned_off_too_large_or_when_inputs_share_memory(captures, monkeypatch):

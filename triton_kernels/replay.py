@@ -18,8 +18,8 @@ A signature seen once and never again (a reference set that is a new tensor ever
 nothing beyond this bookkeeping. The reference set (a memory bank, often large) is not copied: the
 graph reads it where it was captured, so its address is in the signature, and a replay reads
 whatever tensor of that layout lies there, the one the call passed. At most CAPACITY graphs are
-kept, each with its memory (the step's temporaries, the inputs' copies); the least recently used
-goes first. Steps of more than MOST_PAIRS pairs run as they are, and so does a step inside another
+kept a device, each with its memory (the step's temporaries, the inputs' copies); the least recently
+used goes first. Steps of more than MOST_PAIRS pairs run as they are, and so does a step inside another
 capture (torch.compile's "reduce-overhead", make_graphed_callables). MS_LOSS_CUDA_GRAPHS=0 turns
 replay off.
 """
@@ -34,21 +34,31 @@ import torch
 
 from . import launcher
 
-CAPACITY = 4  # graphs kept
+CAPACITY = 4  # graphs kept a device
 # Steps of more pairs are not captured: their GPU work hides the host's (on an H100, B = 65536 and a
 # 1024 x 1,048,576 bank gain 3-7% from replay from an idle GPU and nothing back to back:
 # bench/results/gpu/h100/bench-float16.log, triton against triton-graph), and their graphs would keep
 # the most memory.
 MOST_PAIRS = 2**29
-_SEEN = 16  # signatures remembered from their first call
-# Once this many graphs were dropped for others, signatures not kept run as they are: a workload
-# that cycles through more shapes than CAPACITY would otherwise capture at every call.
+_SEEN = 16  # signatures remembered from their first call, a device
+# Once this many graphs of a device were dropped for others, its signatures not kept run as they
+# are: a workload that cycles through more shapes than CAPACITY would otherwise capture at every call.
 _EVICTIONS = 4 * CAPACITY
-_graphs = collections.OrderedDict()
-_seen = collections.OrderedDict()
 _refused = set()  # signatures whose capture failed
-_evictions = 0
 _lock = threading.RLock()
+
+
+class _Store:
+    """One device's graphs (signature: Graph, least recently used first), the signatures seen once, and
+    how many of its graphs were dropped for others. Each device has its own: a process that steps on
+    two GPUs keeps CAPACITY graphs for each, and the shapes cycling on one do not evict the other's."""
+    __slots__ = ("graphs", "seen", "evictions")
+
+    def __init__(self):
+        self.graphs, self.seen, self.evictions = collections.OrderedDict(), collections.OrderedDict(), 0
+
+
+_stores = collections.defaultdict(_Store)  # device: _Store
 
 
 class Lent:
@@ -256,39 +266,40 @@ def call(step, inputs, kept, lent, options, device, pairs):
         return step(*inputs)
     key = signature(inputs, kept, options, device)
     with _lock:  # (one thread at a time: the bookkeeping, and a graph's buffers, are shared)
-        graph = _graphs.get(key)
+        store = _stores[device]
+        graph = store.graphs.get(key)
         if graph is None:
-            graph = _captured(step, inputs, kept, lent, key)
+            graph = _captured(step, inputs, kept, lent, key, store)
         else:
-            _graphs.move_to_end(key)
+            store.graphs.move_to_end(key)
         if graph is not None:
             return graph(inputs)
     return step(*inputs)
 
 
-def _captured(step, inputs, kept, lent, key):
-    """A new Graph of `step` for signature `key` (kept), or None where the step runs as it is: the first
-    time the signature is seen, when there is no room, or when it cannot be captured."""
-    global _evictions
+def _captured(step, inputs, kept, lent, key, store):
+    """A new Graph of `step` for signature `key`, kept in `store` (its device's _Store), or None where
+    the step runs as it is: the first time the signature is seen, when there is no room, or when it
+    cannot be captured."""
     if key in _refused:
         return None
-    if _seen.pop(key, None) is None or (len(_graphs) >= CAPACITY and _evictions >= _EVICTIONS):
-        _seen[key] = True
-        if len(_seen) > _SEEN:
-            _seen.popitem(last=False)
+    if store.seen.pop(key, None) is None or (len(store.graphs) >= CAPACITY and store.evictions >= _EVICTIONS):
+        store.seen[key] = True
+        if len(store.seen) > _SEEN:
+            store.seen.popitem(last=False)
         return None
     mine = _copies(inputs, kept)
     try:
-        graph = _graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept), tuple(lent), [])
+        graph = store.graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept), tuple(lent), [])
     except RuntimeError as error:
         if not _refused:
             warnings.warn(f"ms_loss_cuda: an eager step could not be captured as a CUDA graph and runs as it is "
                           f"({error})", RuntimeWarning, stacklevel=4)
         _refused.add(key)
         return None
-    while len(_graphs) > CAPACITY:
-        _graphs.popitem(last=False)
-        _evictions += 1
+    while len(store.graphs) > CAPACITY:
+        store.graphs.popitem(last=False)
+        store.evictions += 1
     return graph
 
 
@@ -303,9 +314,6 @@ def _unfit(inputs):
 
 def clear():
     """Drops every kept graph and remembered signature (and with them the graphs' memory)."""
-    global _evictions
     with _lock:
-        _graphs.clear()
-        _seen.clear()
+        _stores.clear()
         _refused.clear()
-        _evictions = 0
