@@ -12,6 +12,7 @@ from .common import check_embeddings, check_hyper_parameters, check_inputs, is_b
 
 __all__ = ["BACKENDS", "MultiSimilarityLoss", "available_backends", "multi_similarity_loss", "normalized_rows",
            "unit_rows"]
+_COMPLEX = ("complex", "torch.complex")  # (the names of numpy's and torch's complex dtypes begin so)
 BACKENDS = backends.NAMES  # what backend= takes
 
 
@@ -81,21 +82,23 @@ def checked_options(options, reduction):
     the four numbers as floats, after checking them and `reduction`."""
     options = dict(options)
     for name in ("alpha", "beta", "base", "epsilon"):
-        options[name] = _number(name, options[name])
+        options[name] = checked_number(name, options[name])
     for name in ("mining", "skip_incomplete_anchors"):
         options[name] = checked_flag(name, options[name])
     check_hyper_parameters(options["alpha"], options["beta"], options["base"], options["epsilon"], reduction)
     return options
 
 
-def _number(name, value):
+def checked_number(name, value):
     """`value` as a float: a real number, or a 0-d tensor that takes no gradient (the loss gives the
-    hyper-parameters none, so a learnable one would silently stay as it is)."""
+    hyper-parameters none, so a learnable one would silently stay as it is). A complex one is refused
+    (numpy's would convert to its real part with a warning)."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise TypeError(f"{name} must be a number or a tensor that does not require grad: the loss takes no "
                         f"gradient with respect to its hyper-parameters")
     try:
-        if not isinstance(value, (str, bytes, bytearray)) and not is_boolean(value):
+        if not isinstance(value, (str, bytes, bytearray)) and not is_boolean(value) and \
+                not str(getattr(value, "dtype", "")).startswith(_COMPLEX):
             return float(value)
     except OverflowError:  # (an integer past float's range)
         raise ValueError(f"{name} must be finite in float32, got {shown(value)}") from None
@@ -114,6 +117,22 @@ def checked_flag(name, value):
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+class HyperParameter:
+    """A hyper-parameter as an attribute of a module that keeps them checked in its `options` dict
+    (pytorch-metric-learning's loss has `alpha`, `beta` and `base`): read from `options`; set, it is
+    checked as the constructor checks it (against the module's `reduction`), so that a new value takes
+    effect at the next call or is refused at once."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        return self if module is None else module.options[self.name]
+
+    def __set__(self, module, value):
+        module.options = checked_options(dict(module.options, **{self.name: value}), module.reduction)
+
+
 class MultiSimilarityLoss(torch.nn.Module):
     """Drop-in for pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner.
 
@@ -122,8 +141,11 @@ class MultiSimilarityLoss(torch.nn.Module):
     (`mining=True`, epsilon) on the fused backend; with `indices_tuple` (a1, p, a2, n) or
     (anchor, positive, negative) from any miner, the loss is computed on exactly those pairs
     by the dense reference backend, and the labels may be left out. Options are those of
-    `multi_similarity_loss`.
+    `multi_similarity_loss`, and attributes of the module: one set after construction (`loss.base =
+    0.6`) is checked then and used from the next call.
     """
+    alpha, beta, base, epsilon = HyperParameter(), HyperParameter(), HyperParameter(), HyperParameter()
+    mining, skip_incomplete_anchors = HyperParameter(), HyperParameter()
 
     def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=0.1, *, mining=True, normalize=True,
                  reduction="mean", skip_incomplete_anchors=False, backend="auto"):

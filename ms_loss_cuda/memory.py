@@ -5,8 +5,8 @@ import operator
 import torch
 
 from . import backends
-from .common import HYPER_PARAMETERS, check_embeddings, check_inputs, is_boolean, shown
-from .loss import checked_flag, checked_options, multi_similarity_loss, normalized_rows
+from .common import HYPER_PARAMETERS, check_embeddings, check_inputs, shown
+from .loss import HyperParameter, checked_flag, checked_number, checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 _DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
@@ -35,7 +35,9 @@ class CrossBatchMemory(torch.nn.Module):
     drift too fast to be worth keeping). Every call stores, in eval mode and under no_grad as well (as
     pytorch-metric-learning's does): take a validation loss with `multi_similarity_loss`, not the
     memory. `loss_options` are those of `multi_similarity_loss` (alpha, beta, base, epsilon, mining,
-    normalize, reduction, skip_incomplete_anchors, backend).
+    normalize, reduction, skip_incomplete_anchors, backend). Each option, `weight` and `warmup` is an
+    attribute, checked when set and used from the next call; `size`, `dim` and `normalize` are fixed
+    (the buffers have that shape, and hold their rows normalised or not).
 
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
     already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
@@ -57,31 +59,65 @@ class CrossBatchMemory(torch.nn.Module):
     new memory after one.
     """
 
+    alpha, beta, base, epsilon = HyperParameter(), HyperParameter(), HyperParameter(), HyperParameter()
+    mining, skip_incomplete_anchors = HyperParameter(), HyperParameter()
+
     def __init__(self, size, dim, *, weight=1.0, warmup=0, **loss_options):
         super().__init__()
         unknown = sorted(set(loss_options) - set(_LOSS_OPTIONS))
         if unknown:
             raise TypeError(f"unknown loss options {unknown}; CrossBatchMemory takes {_LOSS_OPTIONS}")
-        size, dim, warmup = (_integer(name, value, least) for name, value, least in
-                             (("size", size, 1), ("dim", dim, 1), ("warmup", warmup, 0)))
-        if isinstance(weight, torch.Tensor) and weight.requires_grad:
-            raise TypeError("weight must be a number or a tensor that does not require grad: it gets no gradient")
-        try:  # (a number, or a 0-d tensor)
-            number = None if is_boolean(weight) or isinstance(weight, (str, bytes)) else float(weight)
-        except (TypeError, ValueError, RuntimeError, OverflowError):
-            number = None
-        if number is None or not 0 <= number < float("inf"):
-            raise ValueError(f"weight must be a finite number >= 0, got {shown(weight)}")
-        self.size, self.dim, self.weight, self.warmup = size, dim, number, warmup
-        self.normalize = checked_flag("normalize", loss_options.pop("normalize", True))
+        self._size, self._dim = (_integer(name, value, 1) for name, value in (("size", size), ("dim", dim)))
+        self.weight, self.warmup = weight, warmup
+        self._normalize = checked_flag("normalize", loss_options.pop("normalize", True))
         options = dict(_DEFAULTS, **loss_options)  # (checked here, so that a bad one fails at once)
-        checked = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
+        self.options = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
         backends.check_name(options["backend"])
-        self.loss_options = {name: checked.get(name, value) for name, value in loss_options.items()}
+        self.reduction, self.backend = options["reduction"], options["backend"]
         self.register_buffer("embeddings", torch.zeros(size, dim))
         self.register_buffer("labels", torch.zeros(size, dtype=torch.int64))
         self.register_buffer("ids", torch.zeros(size, dtype=torch.int64))
         self.position = self.filled = self.calls = 0  # host integers, saved through get_extra_state
+
+    def _fixed(self, name):
+        raise AttributeError(f"a CrossBatchMemory's {name} is fixed when it is built (its buffers have {self._size} "
+                             f"rows of {self._dim}, normalised or not): build a new memory")
+
+    size = property(lambda self: self._size, lambda self, _: self._fixed("size"), doc="Rows the memory holds.")
+    dim = property(lambda self: self._dim, lambda self, _: self._fixed("dim"), doc="The rows' width.")
+    normalize = property(lambda self: self._normalize, lambda self, _: self._fixed("normalize"),
+                         doc="The memory holds its rows L2-normalised, and the loss normalises the batch.")
+
+    @property
+    def weight(self):
+        """The memory term's weight, a float >= 0."""
+        return self._weight
+
+    @weight.setter
+    def weight(self, value):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise TypeError("weight must be a number or a tensor that does not require grad: it gets no gradient")
+        try:
+            number = checked_number("weight", value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not 0 <= number < float("inf"):
+            raise ValueError(f"weight must be a finite number >= 0, got {shown(value)}")
+        self._weight = number
+
+    @property
+    def warmup(self):
+        """The calls that neither store nor add the memory term, at the start."""
+        return self._warmup
+
+    @warmup.setter
+    def warmup(self, value):
+        self._warmup = _integer("warmup", value, 0)
+
+    @property
+    def loss_options(self):
+        """The options of `multi_similarity_loss` this memory calls it with, but `normalize`."""
+        return dict(self.options, reduction=self.reduction, backend=self.backend)
 
     def extra_repr(self):
         options = "".join(f", {name}={value!r}" for name, value in self.loss_options.items())
@@ -127,9 +163,11 @@ class CrossBatchMemory(torch.nn.Module):
             error_msgs.append(problem)  # (load_state_dict raises them together)
             return
         # the memory takes the saved rows' dtype (as a step takes the batch's), so that loading never
-        # rounds them: a float64 memory into the float32 buffer of a new module, say
+        # rounds them: a float64 memory into the float32 buffer of a new module, say (a normal tensor
+        # under torch.inference_mode too, as in _place)
         if isinstance(saved, torch.Tensor) and saved.dtype != self.embeddings.dtype:
-            self.embeddings = self.embeddings.to(saved.dtype)
+            with torch.inference_mode(False):
+                self.embeddings = self.embeddings.to(saved.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -182,7 +220,7 @@ class CrossBatchMemory(torch.nn.Module):
             return loss
         # (the batch's own term normalises its rows itself: a fused backend then knows them for unit rows)
         loss = multi_similarity_loss(embeddings, labels, ids=ids, normalize=self.normalize, **self.loss_options)
-        x = normalized_rows(embeddings, self.loss_options.get("backend", "auto")) if self.normalize else embeddings
+        x = normalized_rows(embeddings, self.backend) if self.normalize else embeddings
         term = self._stored_term(x, labels, ids, x, labels, ids)  # (the batch checked above)
         return loss if term is None else loss + self.weight * term
 
@@ -212,15 +250,14 @@ class CrossBatchMemory(torch.nn.Module):
         batch's device and dtype)."""
         if self.calls < self.warmup or embeddings.shape[0] > self.size:
             return None
-        options = dict(_DEFAULTS, **self.loss_options)  # (forward checked the inputs)
-        hyper_parameters = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
-        backend = backends.resolve(options["backend"], embeddings.device, embeddings.dtype)
+        hyper_parameters = checked_options(self.options, self.reduction)  # (forward checked the inputs)
+        backend = backends.resolve(self.backend, embeddings.device, embeddings.dtype)
         self._place(embeddings)
         batch = embeddings.shape[0]
         filled = min(self.filled + batch, self.size)
         buffers = (self.embeddings, self.labels, self.ids)
         loss = backend.memory_loss(embeddings, labels, ids, self._slots(batch), buffers, filled, self.weight,
-                                   hyper_parameters, self.normalize, options["reduction"])
+                                   hyper_parameters, self.normalize, self.reduction)
         if loss is not None:
             self.calls += 1
             self.position, self.filled = (self.position + batch) % self.size, filled

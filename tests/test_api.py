@@ -66,6 +66,8 @@ def test_type_errors(kwargs):
     (dict(alpha=torch.tensor(True).numpy()[()]), "alpha must be a real number, got"),
     (dict(beta=torch.tensor(True)), "beta must be a real number"),
     (dict(base=b"0.5"), "base must be a real number"),
+    (dict(alpha=torch.tensor(3 + 0j)), "alpha must be a real number"),
+    (dict(beta=torch.tensor(3 + 2j).numpy()[()]), "beta must be a real number"),  # (numpy's takes its real part)
     (dict(alpha=torch.tensor(2.0, requires_grad=True)), "alpha must be a number or a tensor that does not require"),
     (dict(mining="no"), "mining must be True or False, got 'no'"),
     (dict(skip_incomplete_anchors=2), "skip_incomplete_anchors must be True or False"),
@@ -97,7 +99,36 @@ def test_tensor_hyper_parameters_are_kept_as_numbers():
 def test_reprs_show_every_option():
     assert "normalize=False, reduction='sum'" in repr(MultiSimilarityLoss(normalize=False, reduction="sum"))
     memory = repr(ms_loss_cuda.CrossBatchMemory(16, 4, normalize=False, alpha=3.0, backend="reference"))
-    assert "normalize=False, alpha=3.0, backend='reference'" in memory
+    assert "normalize=False, alpha=3.0, beta=50.0," in memory and "reduction='mean', backend='reference'" in memory
+
+
+NEW_VALUES = dict(alpha=3.0, beta=10.0, base=0.2, epsilon=0.5, mining=False, skip_incomplete_anchors=True)
+
+
+@pytest.mark.parametrize("make", [lambda **kw: MultiSimilarityLoss(**kw),
+                                  lambda **kw: ms_loss_cuda.CrossBatchMemory(64, 16, warmup=1, **kw)],
+                         ids=["loss", "memory"])
+def test_hyper_parameters_set_as_attributes_are_checked_and_used(make):
+    """pytorch-metric-learning's loss has `alpha`, `beta` and `base` as attributes: ours has every
+    hyper-parameter so, checked when set (the module unchanged by a refused value) and used from the
+    next call, as a module built with the new values computes."""
+    x, labels = make_batch(24, 16, 6, dtype=torch.float64, seed=7)
+    ids = torch.arange(24)
+    module, built = make(backend="cpu"), make(backend="cpu", **NEW_VALUES)
+    for name, value in NEW_VALUES.items():
+        setattr(module, name, torch.tensor(value) if name == "alpha" else value)
+        assert getattr(module, name) == value and type(getattr(module, name)) is type(value)
+    for name, bad, error in (("alpha", "3", TypeError), ("beta", -1.0, ValueError), ("mining", 2, TypeError),
+                             ("base", float("nan"), ValueError)):
+        with pytest.raises(error, match=name):
+            setattr(module, name, bad)
+    assert module.options == built.options and repr(module) == repr(built)
+    args = (x, labels) if isinstance(module, MultiSimilarityLoss) else (x, labels, ids)
+    expected = built(*args)
+    assert_close(module(*args), expected, 0)
+    assert expected > 0
+    if isinstance(module, MultiSimilarityLoss):  # (the new values against the float64 reference's)
+        assert_close(expected, multi_similarity_loss(x, labels, backend="reference", **NEW_VALUES), TOLERANCE[torch.float64])
 
 
 def test_flags_that_equal_a_bool_are_taken_as_one():

@@ -204,6 +204,42 @@ def test_a_memory_first_placed_under_inference_mode_trains_after():
         assert torch.equal(loss.detach(), by_hand(x.detach(), labels, ids))
 
 
+def test_a_state_of_another_dtype_loaded_under_inference_mode_trains_after():
+    """Loading a float64 memory into a new module's float32 buffer within torch.inference_mode (a
+    checkpoint loaded for an evaluation, say) leaves a normal buffer, which training updates in place."""
+    data = list(batches(3, 6, 5, samples=30, classes=4, seed=8))
+    saved = CrossBatchMemory(16, 5, backend="reference")
+    saved(*data[0])
+    loaded = CrossBatchMemory(16, 5, backend="reference")
+    with torch.inference_mode():
+        loaded.load_state_dict(saved.state_dict())
+    assert loaded.embeddings.dtype == torch.float64
+    for x, labels, ids in data[1:]:
+        loss = loaded(x.requires_grad_(), labels, ids)
+        loss.backward()
+        assert torch.equal(loss.detach(), saved(x.detach(), labels, ids))
+
+
+def test_weight_and_warmup_are_checked_when_set_and_the_buffers_shape_is_fixed():
+    """`weight` and `warmup` set after construction are checked as the constructor checks them and
+    used from the next call; `size`, `dim` and `normalize`, which the buffers were made for, are
+    refused."""
+    data = list(batches(3, 6, 5, samples=30, classes=4, seed=9))
+    memory, built = CrossBatchMemory(16, 5, backend="reference"), CrossBatchMemory(16, 5, weight=0.25, warmup=1,
+                                                                                    backend="reference")
+    memory.weight, memory.warmup = torch.tensor(0.25), 1
+    assert (memory.weight, memory.warmup) == (0.25, 1) and type(memory.weight) is float
+    for name, bad in (("weight", -1.0), ("weight", float("nan")), ("weight", "1"), ("warmup", -1), ("warmup", 1.5)):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            setattr(memory, name, bad)
+    for name, value in (("size", 32), ("dim", 6), ("normalize", False)):
+        with pytest.raises(AttributeError, match=f"CrossBatchMemory's {name} is fixed when it is built"):
+            setattr(memory, name, value)
+    assert (memory.size, memory.dim, memory.normalize) == (16, 5, True)
+    for x, labels, ids in data:
+        assert torch.equal(memory(x, labels, ids), built(x, labels, ids))
+
+
 def test_a_compiled_step_with_a_memory_compiles_once():
     """The ring's host integers change at every step: torch.compile of a step that calls the memory
     compiles the rest of the step once (the memory runs eagerly, a graph break) and gives the eager
