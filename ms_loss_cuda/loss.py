@@ -140,7 +140,9 @@ class MultiSimilarityLoss(torch.nn.Module):
     pytorch-metric-learning's signature. Without `indices_tuple` the loss mines itself
     (`mining=True`, epsilon) on the fused backend; with `indices_tuple` (a1, p, a2, n) or
     (anchor, positive, negative) from any miner, the loss is computed on exactly those pairs
-    by the dense reference backend, and the labels may be left out. Options are those of
+    by the dense reference backend, and the labels may be left out. As in pytorch-metric-learning,
+    `ref_labels` that is `labels` itself (the very tensor) makes `ref_emb` the batch: each row's pair
+    with itself is skipped. Options are those of
     `multi_similarity_loss`, and attributes of the module: one set after construction (`loss.base =
     0.6`) is checked then and used from the next call.
     """
@@ -161,7 +163,7 @@ class MultiSimilarityLoss(torch.nn.Module):
                 + f", normalize={self.normalize}, reduction={self.reduction!r}, backend={self.backend!r}")
 
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
-        masks = None
+        masks = ids = None
         if indices_tuple is not None:
             check_embeddings("embeddings", embeddings)  # (before the masks are built from their sizes)
             if ref_emb is not None:
@@ -175,7 +177,11 @@ class MultiSimilarityLoss(torch.nn.Module):
             raise ValueError("MultiSimilarityLoss needs labels, unless an indices_tuple gives the pairs")
         elif (ref_emb is None) != (ref_labels is None):
             raise ValueError("ref_emb and ref_labels must be given together (unless an indices_tuple gives the pairs)")
-        return _loss(embeddings, labels, ref_emb, ref_labels, None, None, masks, self.options,
+        elif ref_labels is labels and ref_emb is not None:
+            # pytorch-metric-learning's rule: the labels' very tensor at both ends makes the reference set
+            # the batch itself, so each row's pair with itself is skipped (by identity: the row's index)
+            ids = torch.arange(embeddings.shape[0], device=embeddings.device)
+        return _loss(embeddings, labels, ref_emb, ref_labels, ids, ids, masks, self.options,
                      self.normalize, self.reduction, self.backend)
 
 

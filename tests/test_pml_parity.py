@@ -78,3 +78,27 @@ def test_indices_tuple_of_other_miners(make_miner, with_ref):
     theirs = run(pml_loss)
     assert theirs[0] > 0
     assert_same(run(ours), theirs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ref_is_x,mining", [(True, True), (True, False), (False, False)],
+                         ids=["x_itself-mined", "x_itself", "a_copy_of_x"])
+def test_the_labels_tensor_at_both_ends_makes_the_batch_its_own_reference(backend, mining, ref_is_x):
+    """pytorch-metric-learning's loss takes `ref_labels` that is `labels` itself for the batch as its
+    own reference set, and skips each row's pair with itself, whatever ref_emb is; so does the module
+    (a row's pair with itself would otherwise be a positive of similarity 1). (Its miner asks that
+    ref_emb be the embeddings' tensor instead, and with a copy mines pairs its loss then refuses.)"""
+    x, labels = make_batch(40, 16, 6, seed=6)
+    pml_loss, miner = pml_losses.MultiSimilarityLoss(), pml_miners.MultiSimilarityMiner()
+    ours = MultiSimilarityLoss(mining=mining, backend=backend)
+
+    def pair_up(loss_fn):
+        def fn(e):
+            r = e if ref_is_x else e.detach().clone()
+            pairs = miner(e, labels, r, labels) if mining and loss_fn is pml_loss else None
+            return loss_fn(e, labels, pairs, r, labels)
+        return fn
+
+    theirs = loss_and_grads(pair_up(pml_loss), x)
+    assert theirs[0] > 0
+    assert_same(loss_and_grads(pair_up(ours), x), theirs)
