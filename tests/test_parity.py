@@ -5,6 +5,8 @@ Triton backend with its fused and its chunked backward, the CUDA kernels on a GP
 kernels emulated on CPU threads. Data has structure (classes whose mined sets are real subsets),
 sizes leave partial tiles, and every reduction and a grad_output other than 1 are checked.
 """
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -502,3 +504,31 @@ def test_a_negative_base_without_mining_keeps_padding_columns_out(target, case):
     kwargs = build_case(case, 150, 16, torch.float32, seed=8)
     check(target, kwargs, torch.float32, "sum", rtol=1e-4, mining=False, beta=100.0, base=-1.0)
 
+
+
+def test_threads_stepping_at_once_get_what_each_call_gets_alone(target):
+    """Threads stepping at once (an evaluation beside training, a step per thread) get the losses and
+    gradients of the same calls made one at a time, bit for bit: the CPU kernel shares only its spare
+    buffer (locked), and the interpreter's launches take turns (it patches triton.language for the
+    whole process while one runs)."""
+    cases = [to(build_case(case, rows, 24, torch.float32), target.device)
+             for case, rows in (("self", 33), ("ref_ids", 29), ("self", 40))]
+    step = lambda kwargs: loss_and_grads(kwargs, target.backend, lambda loss: torch.full_like(loss, 0.7))  # noqa: E731
+    alone = [step(kwargs) for kwargs in cases]
+    results, errors = {}, []
+
+    def steps(i):
+        try:
+            for turn in range(3):
+                results[i, turn] = step(cases[i])
+        except Exception as error:  # (raised in the main thread below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=steps, args=(i,)) for i in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for (i, _), (loss, grads) in results.items():
+        assert torch.equal(loss, alone[i][0]) and all(torch.equal(g, a) for g, a in zip(grads, alone[i][1], strict=True))

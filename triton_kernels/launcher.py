@@ -14,6 +14,7 @@ stand another table in for it); `chunk_budget` the chunked backward's buffer bud
 import contextlib
 import functools
 import os
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -21,6 +22,9 @@ import triton
 
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter patches triton.language and keeps the program's grid index for the whole process
+# while it runs a launch: two threads' launches at once raise, or compute wrong numbers. They take turns.
+_interpreter_lock = threading.Lock()
 
 
 class Launch(NamedTuple):
@@ -44,7 +48,11 @@ class Launch(NamedTuple):
         return options
 
     def __call__(self):
-        key = None if INTERPRETED else self._key()
+        if INTERPRETED:
+            with _interpreter_lock:
+                self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
+            return
+        key = self._key()
         known = _compiled_kernels.get(key)
         if known is None or _launch_hooks_set() or self.kernel.pre_run_hooks:
             compiled = self.kernel[self.grid](**self.args, **self.constexprs, **self.options)

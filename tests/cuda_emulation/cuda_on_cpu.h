@@ -1,8 +1,9 @@
 // Just enough of CUDA, on the host, to run csrc/cuda/ms_loss_kernels.cuh on the CPU: a block's 128
 // threads are fibers of the launching thread (ucontext; blocks run one after another), each run up
 // to its next __syncthreads in turn, and a round of them ends the barrier; __shared__ arrays are
-// function statics (one per kernel instantiation: the running block's), and WMMA fragments hold the
-// whole 16 x 16 tile in every lane, following the documented semantics of load_matrix_sync
+// function statics of the launching thread (one per kernel instantiation and thread: the running
+// block's, so that threads of the process may launch at once, as streams do), and WMMA fragments
+// hold the whole 16 x 16 tile in every lane, following the documented semantics of load_matrix_sync
 // (row_major / col_major with ldm), mma_sync and store_matrix_sync.
 // The rounds take the threads in ascending order, then descending, and so on, and the blocks of odd
 // x + y start descending: a read of shared memory that misses the barrier after another thread's write
@@ -31,7 +32,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static thread_local
 
 struct dim3 {
   unsigned x, y, z;
@@ -56,7 +57,7 @@ inline thread_local dim3 threadIdx, blockIdx;
 namespace cuda_emulation {
 constexpr int kMaxThreads = 1024;
 constexpr size_t kStackBytes = 256 * 1024;
-inline float shuffle_slots[kMaxThreads];
+inline thread_local float shuffle_slots[kMaxThreads];
 
 // The running block: its fibers, the launching thread's context they return to, the body they run.
 struct Block {
