@@ -165,11 +165,12 @@ def count_launches():
     return counts
 
 
-def report(lines, out=None):
-    """Prints the result's lines and the machine's, and writes them to the file `out` when given."""
+def report(lines, out=None, machine=None):
+    """Prints the result's lines and the machine's (`machine`, benchmark.machine_info's, taken now where
+    not given), and writes them to the file `out` when given."""
     from benchmark import machine_info
 
-    lines = lines + ["machine: " + json.dumps(machine_info())]
+    lines = lines + ["machine: " + json.dumps(machine or machine_info())]
     print("\n".join(lines))
     if out:
         with open(out, "w") as file:
@@ -187,7 +188,8 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     import torch
-    from benchmark import HARDNESS, make_inputs
+    from benchmark import HARDNESS, machine_info, make_inputs
+    machine = machine_info()  # (before the steps, which set MS_LOSS_CUDA_GRAPHS for their paths)
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cpu":
         cpu_stand_in(args.launches)
@@ -226,7 +228,7 @@ def main():
             count = counts[case, path]
             lines.append(f"  {case:18s} a {path} step: {count['launches']:.0f} Triton launches "
                          f"({count['launch_s'] * 1e3:.3f} ms of it), {count['products']:.0f} cuBLAS products")
-    report(lines, args.out)
+    report(lines, args.out, machine)
 
 
 if __name__ == "__main__":
