@@ -93,6 +93,8 @@ def checked_number(name, value):
     """`value` as a float: a real number, or a 0-d tensor that takes no gradient (the loss gives the
     hyper-parameters none, so a learnable one would silently stay as it is). A complex one is refused
     (numpy's would convert to its real part with a warning)."""
+    if type(value) is float:  # (every call's case: the defaults, and options checked before)
+        return value
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise TypeError(f"{name} must be a number or a tensor that does not require grad: the loss takes no "
                         f"gradient with respect to its hyper-parameters")

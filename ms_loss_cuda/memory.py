@@ -37,7 +37,9 @@ class CrossBatchMemory(torch.nn.Module):
     memory. `loss_options` are those of `multi_similarity_loss` (alpha, beta, base, epsilon, mining,
     normalize, reduction, skip_incomplete_anchors, backend). Each option, `weight` and `warmup` is an
     attribute, checked when set and used from the next call; `size`, `dim` and `normalize` are fixed
-    (the buffers have that shape, and hold their rows normalised or not).
+    (the buffers have that shape, and hold their rows normalised or not). Keep it out of a module that
+    DistributedDataParallel wraps: DDP broadcasts the wrapped module's buffers from rank 0 before
+    every forward (broadcast_buffers), the whole memory at each step.
 
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
     already L2-normalised when `normalize` is on (so no step copies it), and is part of `state_dict`
