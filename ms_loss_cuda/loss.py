@@ -144,9 +144,8 @@ class MultiSimilarityLoss(torch.nn.Module):
     (anchor, positive, negative) from any miner, the loss is computed on exactly those pairs
     by the dense reference backend, and the labels may be left out. As in pytorch-metric-learning,
     `ref_labels` that is `labels` itself (the very tensor) makes `ref_emb` the batch: each row's pair
-    with itself is skipped. Options are those of
-    `multi_similarity_loss`, and attributes of the module: one set after construction (`loss.base =
-    0.6`) is checked then and used from the next call.
+    with itself is skipped. Options are those of `multi_similarity_loss`, and attributes of the
+    module: one set after construction (`loss.base = 0.6`) is checked then and used from the next call.
     """
     alpha, beta, base, epsilon = HyperParameter(), HyperParameter(), HyperParameter(), HyperParameter()
     mining, skip_incomplete_anchors = HyperParameter(), HyperParameter()
