@@ -180,8 +180,13 @@ class MultiSimilarityLoss(torch.nn.Module):
             raise ValueError("ref_emb and ref_labels must be given together (unless an indices_tuple gives the pairs)")
         elif ref_labels is labels and ref_emb is not None:
             # pytorch-metric-learning's rule: the labels' very tensor at both ends makes the reference set
-            # the batch itself, so each row's pair with itself is skipped (by identity: the row's index)
-            ids = torch.arange(embeddings.shape[0], device=embeddings.device)
+            # the batch itself, so each row's pair with itself is skipped: the self case where ref_emb is
+            # the embeddings themselves (its fused path), else by identity, the row's index
+            if ref_emb is embeddings:
+                ref_emb = ref_labels = None
+            else:
+                check_embeddings("embeddings", embeddings)  # (before its rows are counted)
+                ids = torch.arange(embeddings.shape[0], device=embeddings.device)
         return _loss(embeddings, labels, ref_emb, ref_labels, ids, ids, masks, self.options,
                      self.normalize, self.reduction, self.backend)
 

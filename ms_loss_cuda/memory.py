@@ -1,6 +1,7 @@
 """Cross-batch memory (XBM, Wang et al., CVPR 2020) for the fused MS loss: a ring buffer of the last
 `size` embeddings, never turned into a B x M matrix."""
 import operator
+import types
 
 import torch
 
@@ -35,9 +36,10 @@ class CrossBatchMemory(torch.nn.Module):
     drift too fast to be worth keeping). Every call stores, in eval mode and under no_grad as well (as
     pytorch-metric-learning's does): take a validation loss with `multi_similarity_loss`, not the
     memory. `loss_options` are those of `multi_similarity_loss` (alpha, beta, base, epsilon, mining,
-    normalize, reduction, skip_incomplete_anchors, backend). Each option, `weight` and `warmup` is an
-    attribute, checked when set and used from the next call; `size`, `dim` and `normalize` are fixed
-    (the buffers have that shape, and hold their rows normalised or not). Keep it out of a module that
+    normalize, reduction, skip_incomplete_anchors, backend). Each is an attribute, as `weight` and
+    `warmup` are, used from the next call (the hyper-parameters, `weight` and `warmup` are checked when
+    set, `reduction` and `backend` at the call); `size`, `dim` and `normalize` are fixed (the buffers
+    have that shape, and hold their rows normalised or not). Keep it out of a module that
     DistributedDataParallel wraps: DDP broadcasts the wrapped module's buffers from rank 0 before
     every forward (broadcast_buffers), the whole memory at each step.
 
@@ -118,8 +120,9 @@ class CrossBatchMemory(torch.nn.Module):
 
     @property
     def loss_options(self):
-        """The options of `multi_similarity_loss` this memory calls it with, but `normalize`."""
-        return dict(self.options, reduction=self.reduction, backend=self.backend)
+        """The options of `multi_similarity_loss` this memory calls it with, but `normalize` (read-only:
+        set them as attributes)."""
+        return types.MappingProxyType(dict(self.options, reduction=self.reduction, backend=self.backend))
 
     def extra_repr(self):
         options = "".join(f", {name}={value!r}" for name, value in self.loss_options.items())
