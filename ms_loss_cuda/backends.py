@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import ops, reference
-from .common import FLOAT_DTYPES, GPU_DTYPES, Backend, hyper_parameters_of, loss_dtype
+from .common import FLOAT_DTYPES, GPU_DTYPES, Backend, hyper_parameters_of, loss_dtype, unit_rows_in_compute_dtype
 
 NAMES = ("auto", "reference", "cpu", "triton", "cuda")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -25,14 +25,16 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 class ReferenceBackend(Backend):
     name = "reference"
 
+    def loss_rows(self, t):  # (it computes in the compute dtype: the normalisation's gradient stays there)
+        return unit_rows_in_compute_dtype(t)
+
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
         return reference.multi_similarity_loss(x, labels, ref, ref_labels, ids, ref_ids, reduction="none", **options)
 
 
-class GivenPairs(Backend):
+class GivenPairs(ReferenceBackend):
     """The dense reference on exactly the pairs another miner chose (boolean [B, R] masks of positives
     and negatives): pytorch-metric-learning's indices_tuple."""
-    name = "reference"
 
     def __init__(self, masks):
         self.masks = masks

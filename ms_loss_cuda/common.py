@@ -243,6 +243,19 @@ class _UnitRows(torch.autograd.Function):
         return unit_rows_grad(g, y, _row_norms(t))
 
 
+def unit_rows_in_compute_dtype(t):
+    """unit_rows(t)'s values (rounded to t's dtype, as every backend compares them) in t's compute
+    dtype, whose gradient stays in the compute dtype through the normalisation's derivative and is
+    rounded to t's dtype once. Through unit_rows and a cast, a 16-bit gradient of the unit rows would
+    be rounded first: it is |t| times the embeddings' own, and overflows float16 before it (rows of
+    norm 12 under a loss scale of 2^16, say). The gradient is unit_rows' of t in the compute dtype,
+    exact to any order; the difference of the values, the rounding, is added as a constant."""
+    if t.dtype == compute_dtype(t):
+        return unit_rows(t)
+    wide = unit_rows(t.to(compute_dtype(t)))
+    return wide + (unit_rows(t).to(wide.dtype) - wide).detach()
+
+
 def unit_rows_and_norms(t):
     """(unit rows of t in t's dtype, the norms they were divided by: [B, 1], float32 or float64)."""
     norms = _row_norms(t)
@@ -281,6 +294,11 @@ class Backend:
         """The rows of `t` normalised as this backend's loss normalises them."""
         return unit_rows(t)
 
+    def loss_rows(self, t):
+        """`unit_rows(t)` as `loss` passes them to `anchor_losses` (their values; a backend that computes
+        in the compute dtype may take them there)."""
+        return self.unit_rows(t)
+
     def anchor_losses(self, x, labels, ids, ref, ref_labels, ref_ids, options):
         """The per-anchor losses [B] (compute dtype) of normalised (or raw) rows."""
         raise NotImplementedError
@@ -297,8 +315,8 @@ class Backend:
         """The reduced loss, for inputs that check_inputs accepted."""
         x, r = embeddings, ref
         if normalize:
-            x = self.unit_rows(x)
-            r = None if r is None else self.unit_rows(r)
+            x = self.loss_rows(x)
+            r = None if r is None else self.loss_rows(r)
         losses = self.anchor_losses(x, labels, ids, r, ref_labels, ref_ids, options)
         loss = reduce_losses(losses, reduction)  # float32 (float64) sums, then the embeddings' dtype
         return nan_if_nonfinite(loss, x, r, as_they_are=not normalize).to(loss_dtype(embeddings))

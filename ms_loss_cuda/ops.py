@@ -118,11 +118,17 @@ class _EagerLoss(torch.autograd.Function):
             if ctx.reduction != "none":
                 grad_loss = grad_loss.expand(a.shape[0])  # (the kernels make it contiguous)
                 grad_loss = grad_loss / a.shape[0] if ctx.reduction == "mean" else grad_loss
-            da, db = backward_op(grad_loss, stats, a, labels, ids, b, ref_labels, ref_ids, *ctx.hyper_parameters,
-                                 ref_grad)
+            # (the CPU kernel computes in float32 whatever the rows' dtype: given 16-bit unit rows as float32
+            # it returns float32 gradients, which the normalisation's backward divides by the norms before
+            # they are rounded once; rounded first, they overflow float16 where they are |t| times the
+            # embeddings' own: rows of norm 12 under a loss scale of 2^16, say)
+            wide = a_norms is not None and a.device.type == "cpu" and a.dtype in (torch.float16, torch.bfloat16)
+            rows = (a.float(), None if b is None else b.float()) if wide else (a, b)
+            da, db = backward_op(grad_loss, stats, rows[0], labels, ids, rows[1], ref_labels, ref_ids,
+                                 *ctx.hyper_parameters, ref_grad)
             if a_norms is not None:
-                da = unit_rows_grad(da, a, a_norms) if wanted else None
-                db = unit_rows_grad(db, b, b_norms) if ref_grad else None
+                da = unit_rows_grad(da, a, a_norms).to(a.dtype) if wanted else None
+                db = unit_rows_grad(db, b, b_norms).to(b.dtype) if ref_grad else None
         return first_derivative_only((x, ref), da if wanted else None, db if ref_grad else None) + (None,)
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import ms_loss_cuda
 from ms_loss_cuda import multi_similarity_loss, ops
 
-from conftest import build_case, check_against_reference, loss_and_grads, make_batch, threshold_crossing
+from conftest import assert_close, build_case, check_against_reference, loss_and_grads, make_batch, threshold_crossing
 
 pytestmark = pytest.mark.skipif(ops.LOAD_ERROR is not None, reason=f"extension not built: {ops.LOAD_ERROR}")
 
@@ -263,11 +263,38 @@ def test_the_eager_node_is_the_ops_path(monkeypatch, case, normalize, reduction,
 
     eager, traced = run(False), run(True)
     assert eager[1].abs().sum() > 0
-    for a, b in zip(eager, traced):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(eager, traced)):
+        assert a.dtype == b.dtype
+        if i and normalize and dtype == torch.float16:  # (the eager node rounds the gradient once, the ops twice)
+            torch.testing.assert_close(a, b, rtol=2 ** -9, atol=2 ** -9 * b.abs().max().item())
+        else:
+            assert torch.equal(a, b)
     inputs[-1] = inputs[-1].detach().clone()
     inputs[-1][3, 0] = float("inf")
     assert run(False)[0].isnan().all() and run(True)[0].isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_a_scaled_float16_gradient_that_fits_float16_stays_finite(backend, reduction):
+    """Rows of norm about 12 and a loss scaled by 2^16 (a GradScaler's start; under autocast the loss
+    is float32): the gradient of the unit rows is about 12 times the embeddings' and passes float16's
+    65,504 where the embeddings' does not; the normalisation's backward divides it in float32 and
+    rounds once, so the float16 gradient is the float64 one, where rounding it first gave inf and NaN."""
+    x, labels = make_batch(32, 16, 8, dtype=torch.float64, seed=3)
+    norms = 12 + torch.rand(32, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = (norms * F.normalize(x, dim=1)).half()
+    grad_output = torch.full((32,) if reduction == "none" else (), 2.0 ** 16, dtype=torch.float64)
+    wide = x.double().requires_grad_()  # (the float16 rows themselves, in float64)
+    (expected,) = torch.autograd.grad(multi_similarity_loss(wide, labels, reduction=reduction, backend="reference"),
+                                      wide, grad_output)
+    assert 2 ** 12 < expected.abs().max() < 65504
+    half = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = multi_similarity_loss(half, labels, reduction=reduction, backend=backend)
+    (got,) = torch.autograd.grad(loss, half, grad_output.float())
+    assert torch.isfinite(got).all()
+    assert_close(got, expected, 2e-3)
 
 
 @pytest.mark.parametrize("case", ["self", "ref"])
