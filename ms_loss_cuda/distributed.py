@@ -8,7 +8,7 @@ loss on the concatenated batch. The value returned on every rank is that single-
 import torch
 import torch.distributed as dist
 
-from .common import check_inputs, loss_dtype
+from .common import FLOAT_DTYPES, check_inputs, loss_dtype
 from .loss import multi_similarity_loss as _multi_similarity_loss, normalized_rows
 
 __all__ = ["gather", "multi_similarity_loss"]
@@ -46,9 +46,6 @@ def _gather(t, sizes):
     return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def gather(embeddings, labels, ids=None):
     """(embeddings, labels, ids of the global batch, this rank's ids): the embeddings keep their
     gradient, the keys are int64 (uint64 stays uint64); the default identity of a sample is its
@@ -56,13 +53,13 @@ def gather(embeddings, labels, ids=None):
     _require_process_group()
     if embeddings.dim() != 2:
         raise ValueError(f"embeddings must be [B, D], got shape {tuple(embeddings.shape)}")
-    shape = (*embeddings.shape, _DTYPES.index(embeddings.dtype) if embeddings.dtype in _DTYPES else -1)
+    shape = (*embeddings.shape, FLOAT_DTYPES.index(embeddings.dtype) if embeddings.dtype in FLOAT_DTYPES else -1)
     shape = torch.tensor(shape, device=embeddings.device)  # (NCCL: CUDA tensors only)
     shapes = [torch.zeros_like(shape) for _ in range(dist.get_world_size())]
     dist.all_gather(shapes, shape)
     if any(not torch.equal(s[1:], shapes[0][1:]) for s in shapes):  # (every rank finds it: none waits)
         raise ValueError("every process must give embeddings of one D and one dtype; they gave "
-                         + ", ".join(f"D = {int(s[1])} of {_DTYPES[int(s[2])] if s[2] >= 0 else '?'}" for s in shapes))
+                         + ", ".join(f"D = {int(s[1])} of {FLOAT_DTYPES[int(s[2])] if s[2] >= 0 else '?'}" for s in shapes))
     sizes = [int(s[0]) for s in shapes]
     if ids is None:
         offset = sum(sizes[:dist.get_rank()])

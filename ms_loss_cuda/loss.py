@@ -119,7 +119,7 @@ def checked_flag(name, value):
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-class HyperParameter:
+class _HyperParameter:
     """A hyper-parameter as an attribute of a module that keeps them checked in its `options` dict
     (pytorch-metric-learning's loss has `alpha`, `beta` and `base`): read from `options`; set, it is
     checked as the constructor checks it (against the module's `reduction`), so that a new value takes
@@ -135,7 +135,14 @@ class HyperParameter:
         module.options = checked_options(dict(module.options, **{self.name: value}), module.reduction)
 
 
-class MultiSimilarityLoss(torch.nn.Module):
+class HyperParameters:
+    """Every hyper-parameter as a `_HyperParameter` attribute: the base of the modules that keep them in
+    `options` (MultiSimilarityLoss, CrossBatchMemory)."""
+    alpha, beta, base, epsilon = _HyperParameter(), _HyperParameter(), _HyperParameter(), _HyperParameter()
+    mining, skip_incomplete_anchors = _HyperParameter(), _HyperParameter()
+
+
+class MultiSimilarityLoss(HyperParameters, torch.nn.Module):
     """Drop-in for pytorch-metric-learning's MultiSimilarityLoss + MultiSimilarityMiner.
 
     `forward(embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None)` has
@@ -147,8 +154,6 @@ class MultiSimilarityLoss(torch.nn.Module):
     with itself is skipped. Options are those of `multi_similarity_loss`, and attributes of the
     module: one set after construction (`loss.base = 0.6`) is checked then and used from the next call.
     """
-    alpha, beta, base, epsilon = HyperParameter(), HyperParameter(), HyperParameter(), HyperParameter()
-    mining, skip_incomplete_anchors = HyperParameter(), HyperParameter()
 
     def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=0.1, *, mining=True, normalize=True,
                  reduction="mean", skip_incomplete_anchors=False, backend="auto"):

@@ -7,7 +7,7 @@ import torch
 
 from . import backends
 from .common import HYPER_PARAMETERS, check_embeddings, check_inputs, shown
-from .loss import HyperParameter, checked_flag, checked_number, checked_options, multi_similarity_loss, normalized_rows
+from .loss import HyperParameters, checked_flag, checked_number, checked_options, multi_similarity_loss, normalized_rows
 
 _LOSS_OPTIONS = HYPER_PARAMETERS + ("normalize", "reduction", "backend")
 _DEFAULTS = {name: multi_similarity_loss.__kwdefaults__[name] for name in _LOSS_OPTIONS}
@@ -25,7 +25,7 @@ def _integer(name, value, least):
     return number
 
 
-class CrossBatchMemory(torch.nn.Module):
+class CrossBatchMemory(HyperParameters, torch.nn.Module):
     """`forward(embeddings, labels, ids)` -> MS(batch vs batch) + weight * MS(batch vs memory).
 
     Each call first stores the detached batch in a ring buffer of the last `size` (embedding, label,
@@ -62,9 +62,6 @@ class CrossBatchMemory(torch.nn.Module):
     occur (float16 embeddings under a GradScaler, say), check the batch before the call, or start a
     new memory after one.
     """
-
-    alpha, beta, base, epsilon = HyperParameter(), HyperParameter(), HyperParameter(), HyperParameter()
-    mining, skip_incomplete_anchors = HyperParameter(), HyperParameter()
 
     def __init__(self, size, dim, *, weight=1.0, warmup=0, **loss_options):
         super().__init__()
