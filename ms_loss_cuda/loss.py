@@ -8,7 +8,8 @@ reference (the fused kernels mine for themselves).
 import torch
 
 from . import backends
-from .common import check_embeddings, check_hyper_parameters, check_inputs, is_boolean, is_integer, shown, unit_rows
+from .common import (REDUCTIONS, check_embeddings, check_hyper_parameters, check_inputs, is_boolean, is_integer,
+                     shown, unit_rows)
 
 __all__ = ["BACKENDS", "MultiSimilarityLoss", "available_backends", "multi_similarity_loss", "normalized_rows",
            "unit_rows"]
@@ -135,11 +136,42 @@ class _HyperParameter:
         module.options = checked_options(dict(module.options, **{self.name: value}), module.reduction)
 
 
+class _Setting:
+    """An option of the call that is not a hyper-parameter (normalize, reduction, backend), as a plain
+    attribute checked when set: `check` returns the value kept or raises."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, module, owner=None):
+        return self if module is None else module.__dict__[self.slot]
+
+    def __set__(self, module, value):
+        module.__dict__[self.slot] = self.check(value)
+
+
+def _checked_reduction(value):
+    if not (isinstance(value, str) and value in REDUCTIONS):
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
+    return value
+
+
+def _checked_backend(value):
+    backends.check_name(value)
+    return value
+
+
 class HyperParameters:
-    """Every hyper-parameter as a `_HyperParameter` attribute: the base of the modules that keep them in
-    `options` (MultiSimilarityLoss, CrossBatchMemory)."""
+    """Every option of the loss as an attribute checked when set: the hyper-parameters as
+    `_HyperParameter`s, kept in `options`, and normalize, reduction and backend. The base of
+    MultiSimilarityLoss and CrossBatchMemory."""
     alpha, beta, base, epsilon = _HyperParameter(), _HyperParameter(), _HyperParameter(), _HyperParameter()
     mining, skip_incomplete_anchors = _HyperParameter(), _HyperParameter()
+    normalize = _Setting(lambda value: checked_flag("normalize", value))
+    reduction, backend = _Setting(_checked_reduction), _Setting(_checked_backend)
 
 
 class MultiSimilarityLoss(HyperParameters, torch.nn.Module):
@@ -161,8 +193,7 @@ class MultiSimilarityLoss(HyperParameters, torch.nn.Module):
         # (kept as checked: floats and bools, so that no call converts a tensor again)
         self.options = checked_options(dict(alpha=alpha, beta=beta, base=base, epsilon=epsilon, mining=mining,
                                             skip_incomplete_anchors=skip_incomplete_anchors), reduction)
-        backends.check_name(backend)
-        self.normalize, self.reduction, self.backend = checked_flag("normalize", normalize), reduction, backend
+        self.normalize, self.reduction, self.backend = normalize, reduction, backend
 
     def extra_repr(self):
         return (", ".join(f"{k}={v}" for k, v in self.options.items())

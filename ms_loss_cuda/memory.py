@@ -37,10 +37,9 @@ class CrossBatchMemory(HyperParameters, torch.nn.Module):
     pytorch-metric-learning's does): take a validation loss with `multi_similarity_loss`, not the
     memory. `loss_options` are those of `multi_similarity_loss` (alpha, beta, base, epsilon, mining,
     normalize, reduction, skip_incomplete_anchors, backend). Each is an attribute, as `weight` and
-    `warmup` are, used from the next call (the hyper-parameters, `weight` and `warmup` are checked when
-    set, `reduction` and `backend` at the call); `size`, `dim` and `normalize` are fixed (the buffers
-    have that shape, and hold their rows normalised or not). Keep it out of a module that
-    DistributedDataParallel wraps: DDP broadcasts the wrapped module's buffers from rank 0 before
+    `warmup` are, checked when set and used from the next call; `size`, `dim` and `normalize` are
+    fixed (the buffers have that shape, and hold their rows normalised or not). Keep it out of a module
+    that DistributedDataParallel wraps: DDP broadcasts the wrapped module's buffers from rank 0 before
     every forward (broadcast_buffers), the whole memory at each step.
 
     The memory lives on the embeddings' device and dtype (moved on first use), holds the rows
@@ -73,7 +72,6 @@ class CrossBatchMemory(HyperParameters, torch.nn.Module):
         self._normalize = checked_flag("normalize", loss_options.pop("normalize", True))
         options = dict(_DEFAULTS, **loss_options)  # (checked here, so that a bad one fails at once)
         self.options = checked_options({name: options[name] for name in HYPER_PARAMETERS}, options["reduction"])
-        backends.check_name(options["backend"])
         self.reduction, self.backend = options["reduction"], options["backend"]
         self.register_buffer("embeddings", torch.zeros(size, dim))
         self.register_buffer("labels", torch.zeros(size, dtype=torch.int64))

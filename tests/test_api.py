@@ -110,16 +110,20 @@ NEW_VALUES = dict(alpha=3.0, beta=10.0, base=0.2, epsilon=0.5, mining=False, ski
                          ids=["loss", "memory"])
 def test_hyper_parameters_set_as_attributes_are_checked_and_used(make):
     """pytorch-metric-learning's loss has `alpha`, `beta` and `base` as attributes: ours has every
-    hyper-parameter so, checked when set (the module unchanged by a refused value) and used from the
-    next call, as a module built with the new values computes."""
+    option so, checked when set (the module unchanged by a refused value) and used from the next call,
+    as a module built with the new values computes."""
     x, labels = make_batch(24, 16, 6, dtype=torch.float64, seed=7)
     ids = torch.arange(24)
-    module, built = make(backend="cpu"), make(backend="cpu", **NEW_VALUES)
+    module, built = make(), make(backend="cpu", reduction="sum", **NEW_VALUES)
+    module.backend, module.reduction = "cpu", "sum"
     for name, value in NEW_VALUES.items():
         setattr(module, name, torch.tensor(value) if name == "alpha" else value)
         assert getattr(module, name) == value and type(getattr(module, name)) is type(value)
-    for name, bad, error in (("alpha", "3", TypeError), ("beta", -1.0, ValueError), ("mining", 2, TypeError),
-                             ("base", float("nan"), ValueError)):
+    refused = [("alpha", "3", TypeError), ("beta", -1.0, ValueError), ("mining", 2, TypeError),
+               ("base", float("nan"), ValueError), ("reduction", "avg", ValueError), ("backend", "gpu", ValueError)]
+    if isinstance(module, MultiSimilarityLoss):  # (a memory's normalize is fixed: test_memory.py)
+        refused.append(("normalize", 2, TypeError))
+    for name, bad, error in refused:
         with pytest.raises(error, match=name):
             setattr(module, name, bad)
     assert module.options == built.options and repr(module) == repr(built)
@@ -129,7 +133,7 @@ def test_hyper_parameters_set_as_attributes_are_checked_and_used(make):
     assert expected > 0
     # the new values against the float64 reference's: the memory's first call adds its term against the
     # batch alone, which it has just stored (each row's own copy skipped), so it counts the loss twice
-    reference = multi_similarity_loss(x, labels, backend="reference", **NEW_VALUES)
+    reference = multi_similarity_loss(x, labels, backend="reference", reduction="sum", **NEW_VALUES)
     assert_close(expected, reference * (1 if isinstance(module, MultiSimilarityLoss) else 2), TOLERANCE[torch.float64])
 
 
