@@ -9,6 +9,8 @@ differentiable forward op that traced calls of the loss run (`fused_forward` for
 `LOAD_ERROR` holds why the extension could not be loaded (None when it was).
 """
 
+import contextlib
+
 import torch
 
 from .common import (HYPER_PARAMETERS, compute_dtype, nan_if_nonfinite, reduce_losses, savable,
@@ -91,7 +93,8 @@ class _EagerLoss(torch.autograd.Function):
         (labels, ids, ref_labels, ref_ids), hyper_parameters, normalize, reduction, dtype = config
         a, a_norms = unit_rows_and_norms(x) if normalize else (x, None)
         b, b_norms = unit_rows_and_norms(ref) if normalize and ref is not None else (ref, None)
-        losses, stats = forward_op(a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters)
+        with _below_autograd():  # (this node is the autograd: the op's own formula would only redispatch)
+            losses, stats = forward_op(a, labels, ids, b, ref_labels, ref_ids, *hyper_parameters)
         # (x and ref themselves only where they take a gradient, which first_derivative_only ties to: a
         # bank that takes none may be written in place before the backward, as the ops path allows)
         ctx.save_for_backward(x if ctx.needs_input_grad[0] else None, ref if ctx.needs_input_grad[1] else None,
@@ -177,6 +180,9 @@ def traced():
 
 
 _TRACING_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+# The dispatcher's guard that skips the autograd keys, as torch's own autograd formulas use to reach the
+# kernel; a torch without it goes through the op's autograd formula, which then redispatches.
+_below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", contextlib.nullcontext)
 
 
 def _op(qualified_name):
