@@ -11,7 +11,8 @@ two forms (launcher.tile_config's CHUNK_BYTES, from $MS_LOSS_TRITON_CHUNK_MB):
   of the diagonal once for both places (MIRROR): about half of S.
 The self case runs in the forward's label order (operands.saved_label_order) and puts the rows of
 dx back in the caller's order at the end (`Reorder`). Every row of a gradient is summed in a fixed
-order: the same bits on every run.
+order: the same bits on every run, where the chunks' products are too (cuBLAS's are, on one GPU,
+unless streams share its workspace: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG).
 """
 from typing import NamedTuple, Optional
 
@@ -381,7 +382,7 @@ def _chunked_plan(x, a, b, rectangles, weights_args, tiles, range_tiles, norm, l
     never exist whole (R x D, 256 MiB for 262,144 float16 rows of 512).
     `capped`: the self case's whole rows, whose lifts capped_lifts_kernel caps relative to the smallest
     one that `scales` took (backward_plan decides, as it makes that launch).
-    Every gradient row is summed in a fixed order: the same bits on every run."""
+    Every gradient row is summed in a fixed order (the products' sums in cuBLAS's: see the module)."""
     tiles, warps, stages = launcher.split_config(tiles)
     (num_x, dim), num_b, copy, triangle = a.shape, b.shape[0], tiles["COPY"], tiles["BOTH_LIFTS"]
     split = tiles["SPLIT"]  # (float32 weights and rows as float16 pieces: each weight two halves, in its bytes)

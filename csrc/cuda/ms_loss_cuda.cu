@@ -5,8 +5,8 @@
 // Checks: on a GPU, bench/gpu_check.sh runs the parity suite on CUDA tensors and compute-sanitizer
 // memcheck/racecheck/synccheck. Without one, tests/test_cuda_compile.py compiles this file with nvcc
 // for sm_80 and sm_90 (ptxas: no spills, no stack frame; HMMA in the 16-bit kernels' SASS), and the
-// parity suite's cuda_emulated target (tests/targets.py) runs kernels plus host logic on CPU threads
-// through an emulation of the CUDA features they use.
+// parity suite's cuda_emulated target (tests/targets.py) runs kernels plus host logic on the CPU
+// through an emulation of the CUDA features they use (each block's threads as fibers of one thread).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

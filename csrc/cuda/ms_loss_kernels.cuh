@@ -13,8 +13,8 @@
 // float32 tiles use IEEE FMA; every exponent and sum is float32.
 //
 // Two files include this header: ms_loss_cuda.cu (nvcc: real launches, the CUDA dispatch key) and
-// tests/cuda_emulation/emulated_ms_loss.cpp (a host compiler: every block's 128 threads run as CPU
-// threads, to test the thread mapping without a GPU). Each includes the CUDA types first
+// tests/cuda_emulation/emulated_ms_loss.cpp (a host compiler: every block's 128 threads run as fibers
+// of one CPU thread, to test the thread mapping without a GPU). Each includes the CUDA types first
 // (cuda_fp16.h, cuda_bf16.h, mma.h, or the emulation's stand-ins) and defines `launch` (declared in
 // host_ops.cuh).
 #pragma once

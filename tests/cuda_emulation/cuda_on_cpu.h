@@ -10,8 +10,13 @@
 // runs before that write in some of the blocks.
 // Fibers rather than threads: a barrier of 128 threads on two cores costs thousands of context
 // switches, and the same order on every run gives the same bits.
+// What a GPU requires and would not report clearly raises here: a __syncthreads that some threads of
+// the block reach and others do not (they would hang, or pass a barrier that is not theirs); a shuffle
+// of less than a whole warp or with a lane outside it; a WMMA pointer not 256-bit aligned or a leading
+// dimension not a multiple of 16 bytes.
 // It checks what the kernels compute and how threads map to pairs; not timing, not warp-level
-// hazards, not the hardware's fragment layouts.
+// hazards (a shuffle here is a barrier of the whole block), not the hardware's fragment layouts, and
+// not shared memory read before any thread of the block wrote it (it holds the previous block's).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -24,6 +29,8 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -96,8 +103,11 @@ inline void run_block(unsigned threads, dim3 index, std::function<void()> body) 
     makecontext(&fiber, fiber_entry, 0);
   }
   blockIdx = index;
+  // A round runs every thread to its next barrier or its end: the same number of barriers in every
+  // thread means that the threads end in the same round.
   for (bool ascending = (index.x + index.y) % 2 == 0, running = true; running; ascending = !ascending) {
     running = false;
+    unsigned ended = 0;
     for (unsigned i = 0; i < threads; ++i) {
       const unsigned t = ascending ? i : threads - 1 - i;
       if (block.done[t]) continue;
@@ -105,9 +115,18 @@ inline void run_block(unsigned threads, dim3 index, std::function<void()> body) 
       threadIdx = dim3(t);
       swapcontext(&block.launcher, &block.fibers[t]);
       running = running || !block.done[t];
+      ended += block.done[t];
     }
+    if (block.error) std::rethrow_exception(block.error);  // (the other threads are left where they are)
+    if (running && ended)
+      throw std::runtime_error("emulated block (" + std::to_string(index.x) + ", " + std::to_string(index.y) +
+                               "): " + std::to_string(ended) + " of its threads ended while the others wait at a "
+                               "__syncthreads (a barrier that only some threads reach)");
   }
-  if (block.error) std::rethrow_exception(block.error);
+}
+
+inline void check(bool condition, const char* what) {
+  if (!condition) throw std::runtime_error(std::string("emulated CUDA: ") + what);
 }
 }  // namespace cuda_emulation
 
@@ -118,7 +137,9 @@ inline void __syncthreads() {
 }
 
 // Every thread of the block must call it at the same point (true of the kernels' uses).
-inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
+inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
+  cuda_emulation::check(mask == 0xffffffffu, "__shfl_xor_sync's mask must name the whole warp");
+  cuda_emulation::check(lane_mask >= 0 && lane_mask < 32, "__shfl_xor_sync's lane mask leaves the warp");
   cuda_emulation::shuffle_slots[threadIdx.x] = value;
   __syncthreads();
   const float other = cuda_emulation::shuffle_slots[threadIdx.x ^ unsigned(lane_mask)];
@@ -146,8 +167,16 @@ void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float value) {
   for (float& v : f.x) v = value;
 }
 
+// The documented requirements of load_matrix_sync and store_matrix_sync.
+template <typename T>
+void check_operand(const T* p, unsigned ldm) {
+  cuda_emulation::check(reinterpret_cast<uintptr_t>(p) % 32 == 0, "a WMMA pointer must be 256-bit aligned");
+  cuda_emulation::check(ldm * sizeof(T) % 16 == 0, "a WMMA leading dimension must be a multiple of 16 bytes");
+}
+
 template <typename Use, typename T, typename Layout>
 void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  check_operand(p, ldm);
   for (int r = 0; r < 16; ++r)
     for (int c = 0; c < 16; ++c)
       f.x[16 * r + c] = float(std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r]);
@@ -170,6 +199,7 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix
 // One lane writes (every lane holds the same tile); readers synchronise first, as on the GPU.
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
                               layout_t layout) {
+  check_operand(p, ldm);
   if (threadIdx.x % 32 != 0) return;
   for (int r = 0; r < 16; ++r)
     for (int c = 0; c < 16; ++c) (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[16 * r + c];

@@ -23,6 +23,9 @@ void check_alignment(const Arg& arg) {
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, Args... args) {
   (check_alignment(args), ...);
+  // (a GPU refuses an empty grid, and one of more than 65535 blocks along y)
+  TORCH_CHECK(grid.x >= 1 && grid.y >= 1 && grid.y <= 65535 && grid.z == 1, "emulated launch: a grid of ",
+              grid.x, " x ", grid.y, " x ", grid.z, " blocks");
   for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) cuda_emulation::run_block(kThreads, dim3(x, y), [&] { kernel(args...); });
 }
