@@ -171,6 +171,14 @@ def measure_cuda(provider, inputs, args):
 
 
 # ---- the driver ---------------------------------------------------------------------------------
+def require_device(parser, device):
+    """A parser error, before any work, where `device` is cuda and torch sees no GPU."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
+
+
 def build_name():
     """The checkout's commit, with "+ uncommitted changes" where its tracked files differ; "unknown"
     outside a git checkout (a copy of the tree)."""
@@ -325,10 +333,7 @@ def main():
     uneven = [b for b in args.sizes + [args.bank_batch] * bool(args.bank) if b % PER_CLASS]
     if uneven:
         parser.error(f"batch sizes are P classes of {PER_CLASS} samples: {uneven[0]} is not a multiple of {PER_CLASS}")
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
+    require_device(parser, args.device)
     providers = args.providers or DEFAULT_PROVIDERS[args.device] + (TUNED if args.tuned else ())
     shapes = [(b, None) for b in sorted(args.sizes)] + [(args.bank_batch, r) for r in sorted(args.bank)]
 

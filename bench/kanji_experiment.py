@@ -24,6 +24,7 @@ import json
 import os
 import time
 
+from benchmark import require_device
 from experiment_report import write_report
 from experiment_runs import machine_info, run_settings
 
@@ -83,6 +84,7 @@ def main():
     if args.device == "cuda":
         from experiment_gpu import main as gpu_main
 
+        require_device(parser, args.device)  # (before the data is rendered)
         return gpu_main(args)
     settings = dict(FIXED_STEPS, **(BATCH_8192 if args.with_8192 else {})) if args.protocol == "fixed-steps" \
         else EQUAL_IMAGES

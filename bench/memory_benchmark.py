@@ -22,7 +22,8 @@ import time
 import torch
 
 # (bench/: the script's folder)
-from benchmark import kept_between_steps_mib, machine_info, release_free_memory, run_json_worker, track_peak_rss
+from benchmark import (kept_between_steps_mib, machine_info, release_free_memory, require_device, run_json_worker,
+                       track_peak_rss)
 from ms_loss_cuda import CrossBatchMemory
 
 PROVIDERS = ("ours", "pml")
@@ -107,8 +108,7 @@ def main():
         return
     if args.size < 4 or args.batch < 1 or args.dim < 1:
         parser.error("--size must be at least 4 (classes of 4 rows), --batch and --dim at least 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
+    require_device(parser, args.device)
     results, info = [], machine_info()
     options = [f"--{name}={getattr(args, name)}" for name in ("size", "batch", "dim", "device", "dtype", "repeats")]
     for provider in args.providers:

@@ -1,17 +1,19 @@
 """The kanji experiment's runner (bench/experiment_runs.py): runs grouped by setting in seed order,
 one at a time or several at once; two runs never share a folder; a failed run stops the experiment
 with the end of its log. And the sizes at which the GPU version times the loss alone
-(bench/experiment_gpu.py)."""
+(bench/experiment_gpu.py), which stops at once where no GPU is visible."""
 import argparse
 import os
 import sys
 import time
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import experiment_gpu  # noqa: E402
 import experiment_runs  # noqa: E402
+import kanji_experiment  # noqa: E402
 
 
 def _args(tmp_path, jobs, seeds=(0, 1), extra=()):
@@ -54,3 +56,14 @@ def test_the_loss_is_timed_at_the_settings_sizes_and_the_memories_share_one_batc
     assert experiment_gpu.loss_sizes({"batch 64": (64, [])}) == ([64], [], 0)
     with pytest.raises(SystemExit, match="one batch size"):
         experiment_gpu.loss_sizes({"a": (512, ["--memory-size", "4096"]), "b": (2048, ["--memory-size", "4096"])})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_the_gpu_version_without_a_gpu_stops_before_rendering(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(experiment_gpu, "render_once", lambda *a: pytest.fail("rendered without a GPU"))
+    monkeypatch.setattr(sys, "argv", ["kanji_experiment.py", "--device", "cuda", "--out", str(tmp_path / "out"),
+                                      "--data", str(tmp_path / "data")])
+    with pytest.raises(SystemExit) as stop:
+        kanji_experiment.main()
+    assert stop.value.code == 2 and "sees no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
