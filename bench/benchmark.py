@@ -334,6 +334,8 @@ def main():
     if uneven:
         parser.error(f"batch sizes are P classes of {PER_CLASS} samples: {uneven[0]} is not a multiple of {PER_CLASS}")
     require_device(parser, args.device)
+    import torch
+
     providers = args.providers or DEFAULT_PROVIDERS[args.device] + (TUNED if args.tuned else ())
     shapes = [(b, None) for b in sorted(args.sizes)] + [(args.bank_batch, r) for r in sorted(args.bank)]
 
