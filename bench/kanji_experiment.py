@@ -82,9 +82,9 @@ def main():
         args.out = ("bench/results/experiment-gpu" if args.device == "cuda" else
                     os.path.join("bench/results/experiment", args.protocol))
     if args.device == "cuda":
+        require_device(parser, args.device)  # (before the data is rendered)
         from experiment_gpu import main as gpu_main
 
-        require_device(parser, args.device)  # (before the data is rendered)
         return gpu_main(args)
     settings = dict(FIXED_STEPS, **(BATCH_8192 if args.with_8192 else {})) if args.protocol == "fixed-steps" \
         else EQUAL_IMAGES
