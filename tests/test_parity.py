@@ -236,6 +236,24 @@ def test_backward_is_bitwise_deterministic(target):
         assert all(torch.equal(a, b) for a, b in zip(first[1], again[1]))
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_batched_grad_outputs(target, reduction):
+    """Several grad_outputs at once (autograd.grad's is_grads_batched: vmap over the backward, as
+    jacobian(vectorize=True) takes it): each slice is that grad_output's gradient. The triton kernels
+    take one grad_output at a time: batched ones of "none" are refused, naming what works."""
+    kwargs = to(build_case("self", 37, 16, torch.float32, seed=4), target.device)
+    x = kwargs.pop("embeddings").requires_grad_()
+    loss = multi_similarity_loss(x, **kwargs, reduction=reduction, backend=target.backend)
+    grad_outputs = torch.randn(3, *loss.shape, generator=torch.Generator().manual_seed(1)).to(target.device)
+    if target.backend == "triton" and reduction == "none":
+        with pytest.raises(RuntimeError, match="takes one grad_output at a time"):
+            torch.autograd.grad(loss, x, grad_outputs, is_grads_batched=True)
+        return
+    (batched,) = torch.autograd.grad(loss, x, grad_outputs, retain_graph=True, is_grads_batched=True)
+    for grad_output, grad in zip(grad_outputs, batched, strict=True):
+        assert_close(grad, torch.autograd.grad(loss, x, grad_output, retain_graph=True)[0], 1e-6)
+
+
 @pytest.mark.parametrize("case", ["self", "ref_ids"])
 def test_opcheck(target, case):
     kwargs = to(build_case(case, 29, 16, torch.float32, seed=1), target.device)

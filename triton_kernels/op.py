@@ -205,11 +205,24 @@ def _step_with_gradients(x, ref, labels, ids, ref_labels, ref_ids, hyper_paramet
 def _scaled(g, grad, dtype):
     """g (float32) times grad_output (the 0-d gradient of the 0-d loss: it takes g's float32), rounded
     once into `dtype`: one op, whose kernel casts as it stores (on a GPU; the CPU's goes through a
-    float32 copy)."""
+    float32 copy). A grad_output batched by vmap (autograd.grad's is_grads_batched, jacobian's
+    vectorize), which cannot meet an out= op, takes two ops."""
     if torch.is_grad_enabled():  # (a backward under create_graph=True: an out= op takes no autograd)
         with torch.no_grad():
             return _scaled(g, grad, dtype)
-    return torch.mul(g, grad, out=torch.empty_like(g, dtype=dtype, memory_format=torch.contiguous_format))
+    try:
+        return torch.mul(g, grad, out=torch.empty_like(g, dtype=dtype, memory_format=torch.contiguous_format))
+    except RuntimeError:  # ("Batching rule not implemented for aten::mul.out"; anything else fails again below)
+        return (g * grad).to(dtype)
+
+
+def _in_memory(t):
+    """Whether the kernels can read `t`: a tensor with storage, not one batched by vmap."""
+    try:
+        t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def _memory_step_with_gradients(x, labels, ids, slots, memory, memory_labels, memory_ids, hyper_parameters, normalize,
@@ -327,6 +340,10 @@ class _EagerLoss(torch.autograd.Function):
         if ctx.gradients_now:  # the forward's, for grad_output 1: scaled in float32, rounded once to the inputs' dtypes
             da = replay.use(ctx.leases[0], saved[0], lambda g: _scaled(g, grad, ctx.dtypes[0]))
             db = replay.use(ctx.leases[1], saved[1], lambda g: _scaled(g, grad, ctx.dtypes[1]))
+        elif not _in_memory(grad):  # (the kernels take one grad_output at a time: vmap cannot batch a launch)
+            raise RuntimeError("the triton backend's gradient of reduction='none' takes one grad_output at a time: "
+                               "for batched ones (is_grads_batched, jacobian(vectorize=True)) use backend='cpu' or "
+                               "'reference', or one backward per grad_output")
         else:  # "none" (only it comes here: "mean" and "sum" with a gradient to take have theirs)
             da, db = _gradients(saved, grad, ctx.hyper_parameters, ctx.reduction, ctx.needs_input_grad[:2])
         return ops.first_derivative_only((x, ref), da, db) + (None,)
