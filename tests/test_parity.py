@@ -2,7 +2,7 @@
 
 Each test runs for every target this machine can run (tests/targets.py): the fused CPU kernel, the
 Triton backend with its fused and its chunked backward, the CUDA kernels on a GPU, and the CUDA
-kernels emulated on CPU threads. Data has structure (classes whose mined sets are real subsets),
+kernels emulated on the CPU. Data has structure (classes whose mined sets are real subsets),
 sizes leave partial tiles, and every reduction and a grad_output other than 1 are checked.
 """
 import threading
