@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # 1e-5 relative in float32; float16 / bfloat16: the rounding of the weights that enter the second
-# product (interpreted bfloat16 tiles are upcast, so that case is tighter there)
+# product
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 

@@ -272,10 +272,11 @@ def test_a_scaled_grad_output_keeps_the_small_entries_of_16_bit_gradients(monkey
 @pytest.mark.skipif(triton_kernels is None or DEVICE != "cpu" or not triton_kernels.INTERPRETED,
                     reason="runs the GPU's tiles under the interpreter (on a GPU every test does)")
 # the fused backward ("0") and the chunked one in several chunks, in turn: each case and each tile
-# table entry meets both (the interpreter's bfloat16 is wrong: no bfloat16 here)
+# table entry meets both
 @pytest.mark.parametrize("dtype,capability,case,chunk_mib",
                          in_turn(["0", "0.05"], [(torch.float16, (9, 0)), (torch.float16, (8, 0)),
-                                                 (torch.float16, (12, 0)), (torch.float32, (9, 0))],
+                                                 (torch.float16, (12, 0)), (torch.float32, (9, 0)),
+                                                 (torch.bfloat16, (9, 0))],
                                  ["self_ids", "ref_ids", "memory_bank"]))
 def test_the_gpu_tile_table_under_the_interpreter(monkeypatch, case, dtype, capability, chunk_mib):
     """The interpreter's own tiles are small (tile_config); here the kernels run on the tiles a GPU of

@@ -97,7 +97,7 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, 
                 A_ANCHORS: tl.constexpr, B_ANCHORS: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                 B_SCALES: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                EARLY_COLUMN_TERMS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                EARLY_COLUMN_TERMS: tl.constexpr, PRECISION: tl.constexpr):
     """out[split, rows, d-block] = sum over the split's J of H_IJ @ b_J[:, d-block], H_IJ = dL/dS_IJ
     (anchors on the rows of a when A_ANCHORS) + (dL/dS_JI)^T (anchors on the rows of b when B_ANCHORS).
     Row r of H enters the product times row_scale[r] (a power of 2, see scales_kernel) and leaves it
@@ -136,13 +136,12 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, 
                 stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
         label_free = False
         if LABEL_ORDER:  # a tile beside the block's positive range: all its pairs are negatives
-            s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                PRECISION)
+            s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
             label_free = ((start + BLOCK_N <= range_begin) | (start >= range_end)) & distinct_ids
         else:  # (a reference set: the classes' keys loaded before S, as the measured kernel did)
             s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok,
                                               label_i, id_i, cols, col_ok, dim, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                                              UPCAST, PRECISION)
+                                              PRECISION)
         if B_ANCHORS and not EARLY_COLUMN_TERMS:
             minpos_j, maxneg_j, lp_j, ln_j, scale_j = anchor_terms(
                 stats_ptr, scale_ptr, num_anchors, cols, col_ok, epsilon, MINING, SKIP_INCOMPLETE)
@@ -169,8 +168,6 @@ def grad_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr, 
                                     ln_j[None, :], scale_j[None, :], alpha, beta, base, epsilon, MINING)
         b = tl.load(product_ptr + cols[:, None].to(tl.int64) * dim + ds[None, :],
                     mask=col_ok[:, None] & (ds[None, :] < dim), other=0.0)
-        if UPCAST:
-            b = b.to(tl.float32)
         # (fp16x3 is the S tiles' alone: these weights are not unit rows)
         acc = tl.dot((h * row_scale[:, None]).to(b.dtype), b, acc,
                      input_precision="tf32x3" if PRECISION == "fp16x3" else PRECISION)
@@ -188,7 +185,7 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
                   col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING: tl.constexpr,
                   SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr, BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr,
                   LABEL_FREE: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
                   a_rows=None, RESIDENT_D: tl.constexpr = 0, MIRROR: tl.constexpr = False, mirrored=False,
                   row_end=0):
     """weights_kernel's work on one tile: H of the rows against the columns, lifted, stored (a_rows,
@@ -197,13 +194,13 @@ def _weights_tile(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_ptr
     before row_end), each lifted as its row: by both ends' lifts (BOTH_LIFTS, the same values), else
     by the column's."""
     if LABEL_FREE:
-        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                            PRECISION, a_rows, RESIDENT_D)
+        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                            a_rows, RESIDENT_D)
     else:
         label_i, id_i = load_keys(a_labels_ptr, a_ids_ptr, rows, row_ok)
         s, positive, negative = pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, label_i,
-                                          id_i, cols, col_ok, dim, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                          PRECISION, a_rows, RESIDENT_D)
+                                          id_i, cols, col_ok, dim, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                                          a_rows, RESIDENT_D)
     minpos_i, maxneg_i, lp_i, ln_i, scale_i = anchor_terms(
         stats_ptr, scale_ptr, num_anchors, rows, row_ok, epsilon, MINING, SKIP_INCOMPLETE)
     if B_ANCHORS:
@@ -285,7 +282,7 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                    MINING: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, B_ANCHORS: tl.constexpr,
                    BOTH_LIFTS: tl.constexpr, COPY: tl.constexpr, LABEL_ORDER: tl.constexpr, CHECK_IDS: tl.constexpr,
                    RANGE_TILES: tl.constexpr, B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, COLUMN_TILES: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, COLUMN_TILES: tl.constexpr,
                    RESIDENT_D: tl.constexpr, SPLIT: tl.constexpr, MIRROR: tl.constexpr):
     """The chunked backward's first half: one tile of H (as in grad_kernel; the rows of a are anchors, and so are
     b's when B_ANCHORS), lifted, written in the input dtype to w[rows - row_begin, cols - col_begin] for
@@ -332,7 +329,7 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                           MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, False, B_SCALES, BLOCK_M, BLOCK_N,
-                          BLOCK_K, UPCAST, PRECISION, SPLIT)
+                          BLOCK_K, PRECISION, SPLIT)
     elif COLUMN_TILES == 1:  # (no loop for one tile: the shipped launches compile as they did before the loop)
         cols = col_begin + column_block * BLOCK_N + tl.arange(0, BLOCK_N)
         mirrored = False
@@ -343,11 +340,11 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                       scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok, row_begin,
                       cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon, MINING,
                       SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                      UPCAST, PRECISION, SPLIT, None, 0, MIRROR, mirrored, row_end)
+                      PRECISION, SPLIT, None, 0, MIRROR, mirrored, row_end)
     else:
         a_rows = None
         if RESIDENT_D:
-            a_rows = resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D, UPCAST)
+            a_rows = resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D)
         first = col_begin + tl.program_id(0) * (BLOCK_N * COLUMN_TILES)
         for start in range(first, tl.minimum(first + BLOCK_N * COLUMN_TILES, col_end), BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
@@ -355,5 +352,5 @@ def weights_kernel(a_ptr, b_ptr, a_labels_ptr, a_ids_ptr, b_labels_ptr, b_ids_pt
                           scale_ptr, row_scale_ptr, w_ptr, copy_ptr, copy_scale_ptr, w_stride, rows, row_ok,
                           row_begin, cols, cols < col_end, col_begin, num_anchors, dim, alpha, beta, base, epsilon,
                           MINING, SKIP_INCOMPLETE, B_ANCHORS, BOTH_LIFTS, COPY, LABEL_ORDER, B_SCALES, BLOCK_M,
-                          BLOCK_N, BLOCK_K, UPCAST, PRECISION, SPLIT, a_rows, RESIDENT_D)
+                          BLOCK_N, BLOCK_K, PRECISION, SPLIT, a_rows, RESIDENT_D)
 

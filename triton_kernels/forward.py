@@ -87,8 +87,8 @@ def forward_plan(x, labels, ids, ref, ref_labels, ref_ids, alpha, beta, base, ep
                                 num_x=num_x, dim=dim, parts=parts, per_part=per_part, beta=beta, base=base,
                                 epsilon=epsilon),
                            dict(MINING=mining, CHECK_IDS=check_ids, BLOCK=config["BLOCK_M"],
-                                BLOCK_K=negatives_config["BLOCK_K"], UPCAST=config["UPCAST"],
-                                PRECISION=config["PRECISION"]), negatives_warps, negatives_stages)
+                                BLOCK_K=negatives_config["BLOCK_K"], PRECISION=config["PRECISION"]),
+                           negatives_warps, negatives_stages)
     else:
         negatives = Launch(negatives_kernel, (row_programs, splits),
                            dict(tensors, **columns, part_ptr=partials, num_ref=b.shape[0], splits=splits,

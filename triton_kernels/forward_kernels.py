@@ -29,7 +29,7 @@ from .pairs import (anchor_counts, column_range, load_keys, mined_negatives, ord
 def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, row_order_ptr,
                   col_order_ptr, segment_end_ptr, column_shift_ptr, range_ptr, minpos_ptr, num_x, dim,
                   SEGMENTED: tl.constexpr, REF_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Each anchor's hardest positive, from the columns of its block's positive range alone, and the
     hardest negative among those columns: minpos [2, B]."""
     rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
@@ -41,7 +41,7 @@ def minpos_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
         s, positive, negative = positive_range_tile(
             x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr,
             column_shift_ptr, rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         minpos = tl.minimum(minpos, tl.min(tl.where(positive, s, float("inf")), axis=1))
         maxneg = tl.maximum(maxneg, tl.max(tl.where(negative, s, -float("inf")), axis=1))
     tl.store(minpos_ptr + rows, minpos, mask=row_ok)
@@ -78,7 +78,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
                      base, epsilon,
                      MINING: tl.constexpr, SKIP_RANGE: tl.constexpr, CHECK_IDS: tl.constexpr, REF_SCALES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, RESIDENT_D: tl.constexpr):
+                     PRECISION: tl.constexpr, RESIDENT_D: tl.constexpr):
     """The one pass over all columns (this program's split): the hardest negative, and the sum of
     exp(beta (S - base)) over the mined negatives (which need only minpos, known already), online:
     rescaled whenever a larger exponent appears. Partials [3, splits, B]: maxneg, shift, sum.
@@ -96,7 +96,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
     rows, row_ok = ordered_rows(row_order_ptr, num_x, BLOCK_M)
     a_rows = None
     if RESIDENT_D:
-        a_rows = resident_rows(x_ptr, rows, row_ok, dim, RESIDENT_D, UPCAST)
+        a_rows = resident_rows(x_ptr, rows, row_ok, dim, RESIDENT_D)
     label_i, id_i = load_keys(labels_ptr, ids_ptr, rows, row_ok)
     minpos = tl.load(minpos_ptr + rows, mask=row_ok, other=float("inf"))
     maxneg = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -113,8 +113,8 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < end
         if SKIP_RANGE:
-            s = similarity_tile(x_ptr, ref_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                                PRECISION, a_rows, RESIDENT_D)
+            s = similarity_tile(x_ptr, ref_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                                a_rows, RESIDENT_D)
             # only a tile across the split's end or the skipped range needs its columns masked; the rest,
             # nearly all, skip the comparisons
             if (start + BLOCK_N > end) | ((start + BLOCK_N > skip_begin) & (start < skip_end)):
@@ -126,7 +126,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
             negative = True  # (-inf marks the rest)
         else:
             s, _, negative = pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, rows, row_ok,
-                                       label_i, id_i, cols, col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+                                       label_i, id_i, cols, col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
                                        PRECISION, a_rows, RESIDENT_D)
         s = tl.where(negative, s, -float("inf"))
         maxneg, shift, total = _negative_sums(s, minpos, maxneg, shift, total, slope, offset, epsilon, MINING)
@@ -140,7 +140,7 @@ def negatives_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_id
 def symmetric_negatives_kernel(ordered_ptr, order_ptr, ordered_ids_ptr, range_ptr, shared_ids_ptr, minpos_ptr, part_ptr,
                                num_x, dim, parts, per_part, beta, base, epsilon, MINING: tl.constexpr,
                                CHECK_IDS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                               PRECISION: tl.constexpr):
     """negatives_kernel's pass for the self case, on half the tiles: S is symmetric, so one tile of
     blocks I and J (of the label order, `ordered_ptr`) serves I's anchors through its rows and J's
     through its columns. Of the blocks' NB (NB - 1) / 2 pairs, program (I, p) takes those at distances
@@ -178,7 +178,7 @@ def symmetric_negatives_kernel(ordered_ptr, order_ptr, ordered_ids_ptr, range_pt
         slots_j = start + tl.arange(0, BLOCK)
         col_ok = slots_j < num_x
         s = similarity_tile(ordered_ptr, ordered_ptr, slots_i, row_ok, slots_j, col_ok, dim, BLOCK, BLOCK, BLOCK_K,
-                            UPCAST, PRECISION)
+                            PRECISION)
         if CHECK_IDS:
             if ids_shared:
                 id_j = tl.load(ordered_ids_ptr + slots_j, mask=col_ok, other=-1)
@@ -228,7 +228,7 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
                   loss_ptr, num_x, dim, splits, alpha, beta, base, epsilon, MINING: tl.constexpr,
                   SKIP_INCOMPLETE: tl.constexpr, SEGMENTED: tl.constexpr, SKIP_RANGE: tl.constexpr,
                   REF_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr):
     """The splits combined in their order (maxneg, LN), with the positive range's own negatives where
     the negatives kernel skipped it (SKIP_RANGE: their maxneg from minpos_kernel, their sum here);
     then the positive sum over the positive range (the positives' mining needs the final maxneg);
@@ -260,7 +260,7 @@ def finish_kernel(x_ptr, ref_ptr, labels_ptr, ids_ptr, ref_labels_ptr, ref_ids_p
         s, positive, negative = positive_range_tile(
             x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr,
             column_shift_ptr, rows, row_ok, label_i, id_i, start, range_end, num_x, dim, SEGMENTED, REF_SCALES,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if SKIP_RANGE:
             unused_s, mined = mined_negatives(s, negative, minpos[:, None], epsilon, MINING)
             sum_n += tl.sum(tl.exp(tl.minimum(beta * (mined - base) - shift[:, None], 0.0)), axis=1)

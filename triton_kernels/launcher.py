@@ -199,7 +199,6 @@ def tile_config(kind, dtype, dim, interpret=INTERPRETED, capability=(9, 0)):
         config["BLOCK_D"] = min(config["BLOCK_D"], pow2_at_least_16(dim))
         config["EARLY_COLUMN_TERMS"] = dtype != torch.float32 and capability >= (9, 0)
         config["CHUNK_BYTES"] = chunk_budget(interpret)
-    config["UPCAST"] = interpret and dtype == torch.bfloat16
     config["PRECISION"] = precision
     return config
 

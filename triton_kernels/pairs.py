@@ -119,7 +119,7 @@ def negative_weights(s, minpos, offset, scale, beta, epsilon, MINING: tl.constex
 
 # ---- tiles ---------------------------------------------------------------------------------------
 @triton.jit
-def resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl.constexpr):
+def resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D: tl.constexpr):
     """a[rows] whole, [BLOCK_M, RESIDENT_D] (RESIDENT_D: a power of 2 at least dim; zero past dim), for a
     program that loads its rows once and keeps them for every column tile (`similarity_tile`'s
     a_rows), in shared memory (128 KiB for 128 rows of 512 in 16 bits): each tile then reads only its
@@ -127,18 +127,17 @@ def resident_rows(a_ptr, rows, row_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl
     ks = tl.arange(0, RESIDENT_D)
     a = tl.load(a_ptr + rows[:, None].to(tl.int64) * dim + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < dim),
                 other=0.0)
-    return a.to(tl.float32) if UPCAST else a
+    return a
 
 
 @triton.jit
-def _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D: tl.constexpr, PRECISION: tl.constexpr):
     """similarity_tile's with the rows kept (`resident_rows`): one product over all of D."""
     tl.static_assert(PRECISION != "fp16x3", "resident rows take one product: not fp16x3's three")
     kd = tl.arange(0, RESIDENT_D)
     b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + kd[:, None], mask=col_ok[None, :] & (kd[:, None] < dim),
                   other=0.0)
-    return tl.dot(a_rows, b_t.to(tl.float32) if UPCAST else b_t, input_precision=PRECISION)
+    return tl.dot(a_rows, b_t, input_precision=PRECISION)
 
 
 @triton.jit
@@ -167,7 +166,7 @@ def store_float16_parts(at, values, rests_after, ok, TRANSPOSE: tl.constexpr = F
 @triton.jit
 def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
+                    PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
     """float32 [BLOCK_M, BLOCK_N] tile of a[rows] @ b[cols]^T: any row and column indices (a block,
     or a gathered list), rows of both `dim` long; 64-bit offsets (B * D may pass 2^31).
     PRECISION: a float32 `tl.dot`'s ("tf32x3", "tf32", "ieee"), or "fp16x3", float32 rows of magnitude
@@ -176,7 +175,7 @@ def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
     RESIDENT_D (not with "fp16x3"): the rows come loaded whole as `a_rows` (`resident_rows`), and the
     tile is one product over all of D."""
     if RESIDENT_D:
-        s = _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D, UPCAST, PRECISION)
+        s = _resident_tile(a_rows, b_ptr, cols, col_ok, dim, RESIDENT_D, PRECISION)
     else:
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         rest = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (fp16x3's cross terms; unused otherwise)
@@ -186,9 +185,6 @@ def similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim,
                         mask=row_ok[:, None] & (ks[None, :] < dim), other=0.0)
             b_t = tl.load(b_ptr + cols[None, :].to(tl.int64) * dim + ks[:, None],
                           mask=col_ok[None, :] & (ks[:, None] < dim), other=0.0)
-            if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: upcast there
-                a = a.to(tl.float32)
-                b_t = b_t.to(tl.float32)
             if PRECISION == "fp16x3":
                 a_hi, a_lo = float16_parts(a)
                 b_hi, b_lo = float16_parts(b_t)
@@ -210,7 +206,7 @@ def load_keys(labels_ptr, ids_ptr, index, ok):
 @triton.jit
 def pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, label_i, id_i, cols, col_ok, dim,
               B_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
+              PRECISION: tl.constexpr, a_rows=None, RESIDENT_D: tl.constexpr = 0):
     """(S, positive, negative) of the rows against the columns `cols` (valid where col_ok). B_SCALES:
     the rows of b come as they are (a float16 memory bank, never normalised whole), and S of their
     unit rows is a @ b^T times the reciprocals of their norms (b_scale_ptr), one multiply a pair.
@@ -219,14 +215,14 @@ def pair_tile(a_ptr, b_ptr, b_labels_ptr, b_ids_ptr, b_scale_ptr, rows, row_ok, 
     scales, they took the negatives kernel past 255 registers on sm_100. a_rows, RESIDENT_D: see
     similarity_tile."""
     if B_SCALES:
-        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                            PRECISION, a_rows, RESIDENT_D)
+        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                            a_rows, RESIDENT_D)
         s = s * tl.load(b_scale_ptr + cols, mask=col_ok, other=1.0)[None, :]
         label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
     else:
         label_j, id_j = load_keys(b_labels_ptr, b_ids_ptr, cols, col_ok)
-        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
-                            PRECISION, a_rows, RESIDENT_D)
+        s = similarity_tile(a_ptr, b_ptr, rows, row_ok, cols, col_ok, dim, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                            a_rows, RESIDENT_D)
     positive, negative = pair_classes(label_i, id_i, label_j, id_j, col_ok)
     return s, positive, negative
 
@@ -266,13 +262,13 @@ def _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, e
 def positive_range_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, col_order_ptr, segment_end_ptr,
                         column_shift_ptr, rows, row_ok, label_i, id_i, start, end, num_x, dim,
                         SEGMENTED: tl.constexpr, REF_SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """(S, positive, negative) of the rows against slots start .. start + BLOCK_N (before `end`) of
     their block's positive list (REF_SCALES: see pair_tile's B_SCALES)."""
     cols, col_ok = _positive_columns(col_order_ptr, segment_end_ptr, column_shift_ptr, start, end, num_x, BLOCK_M,
                                      BLOCK_N, SEGMENTED)
     return pair_tile(x_ptr, ref_ptr, ref_labels_ptr, ref_ids_ptr, ref_scale_ptr, rows, row_ok, label_i, id_i, cols,
-                     col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+                     col_ok, dim, REF_SCALES, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 
 
 @triton.jit
