@@ -291,6 +291,8 @@ def test_inputs_passed_as_one_tensor_get_their_own_graph(captures):
 
 
 def test_a_step_that_cannot_be_captured_warns_once_and_runs_as_it_is(captures, monkeypatch):
+    """Its signature is not tried again, and after replay._FAILURES failed captures the device tries no
+    more (what is kept of the failures stays that small, whatever shapes come)."""
     def failing(step, inputs):
         raise RuntimeError("out of memory in the graph's pool")
 
@@ -303,6 +305,13 @@ def test_a_step_that_cannot_be_captured_warns_once_and_runs_as_it_is(captures, m
         warnings.simplefilter("error")
         for _ in range(2):  # (no second try, no second warning)
             check(x, labels)
+    tries = []
+    monkeypatch.setattr(replay, "capture", lambda step, inputs: (tries.append(1), failing(step, inputs))[1])
+    for batch in range(27, 27 + 2 * replay._FAILURES):  # (other shapes, each twice: the second call tries)
+        x, labels = make_batch(batch, 16, 5, dtype=torch.float32, seed=batch)
+        for _ in range(2):
+            check(x, labels)
+    assert len(tries) == replay._FAILURES - 1  # a device whose captures keep failing stops trying
 
 
 @pytest.mark.skipif(not GPU, reason="cuBLAS's workspaces: CUDA only")

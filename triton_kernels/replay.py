@@ -44,18 +44,22 @@ _SEEN = 16  # signatures remembered from their first call, a device
 # Once this many graphs of a device were dropped for others, its signatures not kept run as they
 # are: a workload that cycles through more shapes than CAPACITY would otherwise capture at every call.
 _EVICTIONS = 4 * CAPACITY
-_refused = set()  # signatures whose capture failed
+# Once this many captures of a device failed, it captures no more: capture is then not possible there
+# (no memory for graphs, a torch that cannot clear cuBLAS's workspaces), and each try costs a step.
+_FAILURES = 4
 _lock = threading.RLock()
 
 
 class _Store:
-    """One device's graphs (signature: Graph, least recently used first), the signatures seen once, and
-    how many of its graphs were dropped for others. Each device has its own: a process that steps on
+    """One device's graphs (signature: Graph, least recently used first), the signatures seen once, how
+    many of its graphs were dropped for others, and the signatures whose capture failed (the last
+    _FAILURES: after that many it captures no more). Each device has its own: a process that steps on
     two GPUs keeps CAPACITY graphs for each, and the shapes cycling on one do not evict the other's."""
-    __slots__ = ("graphs", "seen", "evictions")
+    __slots__ = ("graphs", "seen", "evictions", "refused")
 
     def __init__(self):
-        self.graphs, self.seen, self.evictions = collections.OrderedDict(), collections.OrderedDict(), 0
+        self.graphs, self.seen = collections.OrderedDict(), collections.OrderedDict()
+        self.evictions, self.refused = 0, []
 
 
 _stores = collections.defaultdict(_Store)  # device: _Store
@@ -281,7 +285,7 @@ def _captured(step, inputs, kept, lent, key, store):
     """A new Graph of `step` for signature `key`, kept in `store` (its device's _Store), or None where
     the step runs as it is: the first time the signature is seen, when there is no room, or when it
     cannot be captured."""
-    if key in _refused:
+    if len(store.refused) >= _FAILURES or key in store.refused:
         return None
     if store.seen.pop(key, None) is None or (len(store.graphs) >= CAPACITY and store.evictions >= _EVICTIONS):
         store.seen[key] = True
@@ -292,10 +296,10 @@ def _captured(step, inputs, kept, lent, key, store):
     try:
         graph = store.graphs[key] = Graph(*capture(step, mine), _unkept(mine, kept), tuple(lent), [])
     except RuntimeError as error:
-        if not _refused:
+        if not store.refused:
             warnings.warn(f"ms_loss_cuda: an eager step could not be captured as a CUDA graph and runs as it is "
                           f"({error})", RuntimeWarning, stacklevel=4)
-        _refused.add(key)
+        store.refused.append(key)
         return None
     while len(store.graphs) > CAPACITY:
         store.graphs.popitem(last=False)
@@ -316,4 +320,3 @@ def clear():
     """Drops every kept graph and remembered signature (and with them the graphs' memory)."""
     with _lock:
         _stores.clear()
-        _refused.clear()
