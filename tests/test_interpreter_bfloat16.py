@@ -40,4 +40,5 @@ def test_a_kernels_cast_and_product():
     args = [t.to(DEVICE) for t in (x, a, b, rounded, product)]
     _cast_and_dot[(1,)](*args, N=16)
     assert torch.equal(args[3].cpu(), x.to(torch.bfloat16))
-    torch.testing.assert_close(args[4].cpu(), a.double().matmul(b.double()).float(), rtol=1e-6, atol=1e-6)
+    # (float32 sums of exact products, in any order; a product of bit patterns is off by orders of magnitude)
+    torch.testing.assert_close(args[4].cpu(), a.double().matmul(b.double()).float(), rtol=1e-5, atol=1e-5)
