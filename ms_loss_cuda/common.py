@@ -119,7 +119,11 @@ def check_hyper_parameters(alpha, beta, base, epsilon, reduction):
     if max(alpha, beta) * (1 + abs(base)) > _FLOAT32_MAX:  # (the exponents of unit rows, |S| <= 1)
         raise ValueError(f"alpha and beta times (1 + |base|) must be finite in float32, got alpha {alpha}, "
                          f"beta {beta}, base {base}")
-    if reduction not in REDUCTIONS:
+    check_reduction(reduction)
+
+
+def check_reduction(reduction):
+    if not (isinstance(reduction, str) and reduction in REDUCTIONS):
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 

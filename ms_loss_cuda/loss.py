@@ -8,7 +8,7 @@ reference (the fused kernels mine for themselves).
 import torch
 
 from . import backends
-from .common import (REDUCTIONS, check_embeddings, check_hyper_parameters, check_inputs, is_boolean, is_integer,
+from .common import (check_embeddings, check_hyper_parameters, check_inputs, check_reduction, is_boolean, is_integer,
                      shown, unit_rows)
 
 __all__ = ["BACKENDS", "MultiSimilarityLoss", "available_backends", "multi_similarity_loss", "normalized_rows",
@@ -144,18 +144,22 @@ class _Setting:
         self.check = check
 
     def __set_name__(self, owner, name):
-        self.slot = "_" + name
+        self.name = name
 
     def __get__(self, module, owner=None):
-        return self if module is None else module.__dict__[self.slot]
+        if module is None:
+            return self
+        try:  # (kept in the instance's dict under its own name, which this data descriptor comes before)
+            return module.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(f"{type(module).__name__} has no {self.name} set") from None
 
     def __set__(self, module, value):
-        module.__dict__[self.slot] = self.check(value)
+        module.__dict__[self.name] = self.check(value)
 
 
 def _checked_reduction(value):
-    if not (isinstance(value, str) and value in REDUCTIONS):
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
+    check_reduction(value)
     return value
 
 

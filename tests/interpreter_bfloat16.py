@@ -6,10 +6,13 @@ operations get them wrong:
   nearest even: a kernel's unit rows come out up to a unit in the last place low, which beta = 50
   turns into gradients percents off;
 - tl.dot multiplies the patterns as integers.
-`install` makes both what a GPU computes: the cast rounds to nearest even (a NaN stays a NaN), and
-tl.dot takes the bfloat16 values, whose products float32 holds exactly, summed in float32. The kernels
-then run their bfloat16 code there as on a GPU. Written against Triton 3.9's interpreter; one whose
-two functions have other signatures is left as it ships, and `install` says so.
+`install` makes both what a GPU computes: the cast rounds to nearest even (a NaN stays a NaN) unless
+it asks for round-toward-zero, and tl.dot takes the bfloat16 values, whose products float32 holds
+exactly, summed in float32. Other arithmetic on bfloat16 values (+, *, comparisons) still works on the
+patterns: the kernels do none (their bfloat16 tiles go only into tl.dot, transposes and stores, and
+everything else is cast to float32 first), which a new kernel must keep to. Written against Triton
+3.9's interpreter; one whose two functions have other signatures is left as it ships, and `install`
+says so.
 """
 import inspect
 
@@ -27,6 +30,7 @@ def install():
     except ImportError:  # (no triton: its tests skip)
         return None
     convert, dot = getattr(interpreter, "_convert_float", None), interpreter.InterpreterBuilder.create_dot
+    nearest = (None, interpreter._ir.ROUNDING_MODE.RTNE)  # (a cast that asks for round-toward-zero gets it)
     if getattr(convert, "rounds_bfloat16", False):
         return True
     if convert is None or list(inspect.signature(convert).parameters) != _CONVERT or \
@@ -34,7 +38,7 @@ def install():
         return False
 
     def convert_float(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode in nearest:
             return bfloat16_bits(data)
         return convert(data, input_dtype, output_dtype, rounding_mode)
 

@@ -300,6 +300,10 @@ def _captured(step, inputs, kept, lent, key, store):
             warnings.warn(f"ms_loss_cuda: an eager step could not be captured as a CUDA graph and runs as it is "
                           f"({error})", RuntimeWarning, stacklevel=4)
         store.refused.append(key)
+        if len(store.refused) == _FAILURES:
+            warnings.warn(f"ms_loss_cuda: {_FAILURES} steps on this device could not be captured as CUDA graphs; it "
+                          f"captures no more (replay.clear() lets it try again; last: {error})", RuntimeWarning,
+                          stacklevel=4)
         return None
     while len(store.graphs) > CAPACITY:
         store.graphs.popitem(last=False)

@@ -11,9 +11,10 @@
 // Fibers rather than threads: a barrier of 128 threads on two cores costs thousands of context
 // switches, and the same order on every run gives the same bits.
 // What a GPU requires and would not report clearly raises here: a __syncthreads that some threads of
-// the block reach and others do not (they would hang, or pass a barrier that is not theirs); a shuffle
-// of less than a whole warp or with a lane outside it; a WMMA pointer not 256-bit aligned or a leading
-// dimension not a multiple of 16 bytes.
+// the block reach and others do not (they would hang, or pass a barrier that is not theirs), a shuffle
+// with a lane outside the warp, a WMMA pointer not 256-bit aligned or a leading dimension not a
+// multiple of 16 bytes; and what the emulation cannot run: a shuffle of less than a whole warp (a GPU
+// allows one where every calling lane is in the mask), or one that not every thread of the block calls.
 // It checks what the kernels compute and how threads map to pairs; not timing, not warp-level
 // hazards (a shuffle here is a barrier of the whole block), not the hardware's fragment layouts, and
 // not shared memory read before any thread of the block wrote it (it holds the previous block's).
