@@ -7,6 +7,7 @@ Modules, from the per-pair math up (docs/triton.md explains the algorithm):
 - pairs.py: the per-pair math and the similarity tiles every kernel is built from;
 - forward_kernels.py, backward_kernels.py, row_kernels.py: the Triton kernels;
 - launcher.py: direct launches, the tile table, running a plan;
+- interpreter_bfloat16.py: Triton's interpreter (CPU tensors) made to compute bfloat16 as a GPU does;
 - operands.py: aligned rows, int32 keys, the label order, the positive ranges, column splits;
 - forward.py, backward.py: the launch plans of the forward and of both backwards;
 - op.py: the custom ops, their autograd and the eager one-node loss;

@@ -25,6 +25,8 @@ class TritonBackend(Backend):
             return reason
         if device.type == "cpu" and not launcher.INTERPRETED:
             return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
+        if device.type == "cpu" and dtype == torch.bfloat16 and not launcher.BFLOAT16_INTERPRETED:
+            return "this Triton's interpreter computes bfloat16 unlike a GPU (triton_kernels/interpreter_bfloat16.py)"
         if device.type not in ("cpu", "cuda"):
             return f"it takes CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
         if device.type == "cuda" and not torch.cuda.is_available():

@@ -20,8 +20,12 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
+from . import interpreter_bfloat16
+
 # jit functions are interpreted (numpy on CPU tensors) when this is set before they are defined
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# whether the interpreter computes bfloat16 as a GPU does (interpreter_bfloat16; False on a GPU)
+BFLOAT16_INTERPRETED = INTERPRETED and bool(interpreter_bfloat16.install())
 # The interpreter patches triton.language and keeps the program's grid index for the whole process
 # while it runs a launch: two threads' launches at once raise, or compute wrong numbers. They take turns.
 _interpreter_lock = threading.Lock()
