@@ -58,8 +58,8 @@ def gather(embeddings, labels, ids=None):
     shapes = [torch.zeros_like(shape) for _ in range(dist.get_world_size())]
     dist.all_gather(shapes, shape)
     if any(not torch.equal(s[1:], shapes[0][1:]) for s in shapes):  # (every rank finds it: none waits)
-        raise ValueError("every process must give embeddings of one D and one dtype; they gave "
-                         + ", ".join(f"D = {int(s[1])} of {FLOAT_DTYPES[int(s[2])] if s[2] >= 0 else '?'}" for s in shapes))
+        raise ValueError("every process must give embeddings of one D and one dtype; they gave " + ", ".join(
+            f"D = {int(s[1])} of {FLOAT_DTYPES[int(s[2])] if s[2] >= 0 else '?'}" for s in shapes))
     sizes = [int(s[0]) for s in shapes]
     if ids is None:
         offset = sum(sizes[:dist.get_rank()])

@@ -539,7 +539,6 @@ def test_a_negative_base_without_mining_keeps_padding_columns_out(target, case):
     check(target, kwargs, torch.float32, "sum", rtol=1e-4, mining=False, beta=100.0, base=-1.0)
 
 
-
 def test_threads_stepping_at_once_get_what_each_call_gets_alone(target):
     """Threads stepping at once (an evaluation beside training, a step per thread) get the losses and
     gradients of the same calls made one at a time, bit for bit: the CPU kernel shares only its spare

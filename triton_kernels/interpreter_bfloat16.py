@@ -7,13 +7,13 @@ operations get them wrong:
   nearest even: a kernel's unit rows come out up to a unit in the last place low, which beta = 50
   turns into gradients percents off;
 - tl.dot multiplies the patterns as integers.
-`install` makes both what a GPU computes, for the whole process: the cast rounds to nearest even (a NaN stays a NaN) unless
-it asks for round-toward-zero, and tl.dot takes the bfloat16 values, whose products float32 holds
-exactly, summed in float32. Other arithmetic on bfloat16 values (+, *, comparisons) still works on the
-patterns: the kernels do none (their bfloat16 tiles go only into tl.dot, transposes and stores, and
-everything else is cast to float32 first), which a new kernel must keep to. Written against Triton
-3.9's interpreter; one whose two functions have other signatures is left as it ships, `install` says
-so, and the triton backend refuses bfloat16 there.
+`install` makes both what a GPU computes, for the whole process: the cast rounds to nearest even (a
+NaN stays a NaN) unless it asks for round-toward-zero, and tl.dot takes the bfloat16 values, whose
+products float32 holds exactly, summed in float32. Other arithmetic on bfloat16 values (+, *,
+comparisons) still works on the patterns: the kernels do none (their bfloat16 tiles go only into
+tl.dot, transposes and stores, and everything else is cast to float32 first), which a new kernel must
+keep to. Written against Triton 3.9's interpreter; one whose two functions have other signatures is
+left as it ships, `install` says so, and the triton backend refuses bfloat16 there.
 """
 import inspect
 
