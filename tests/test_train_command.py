@@ -5,6 +5,8 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import re
+import shutil
 import socket
 import sys
 
@@ -443,12 +445,21 @@ def test_image_data_end_to_end(tmp_path, layout):
                 lines[split].append(f"{len(lines[split]) + 1} {c + 1} 1 {split}/class{c}/{k}.png")
     for split in ("train", "test"):
         (tmp_path / f"Ebay_{split}.txt").write_text("image_id class_id super_class_id path\n" + "\n".join(lines[split]))
-    def run(workers):
-        return main(["--data", layout, "--root", str(tmp_path), "--image-size", "16", "--width", "4", "--dim", "8",
+    def run(workers, root=tmp_path, *more):
+        return main(["--data", layout, "--root", str(root), "--image-size", "16", "--width", "4", "--dim", "8",
                      "--batch-size", "8", "--per-class", "2", "--steps", "2", "--ks", "1", "--workers", str(workers),
-                     "--eval-batch", "5", "--out", str(tmp_path / f"run{workers}"), "--no-progress", "--backend", BACKEND])
+                     "--eval-batch", "5", "--out", str(tmp_path / f"run{workers}"), "--no-progress", "--backend", BACKEND,
+                     *more])
 
     history = run(1)
     assert [row["step"] for row in history] == [0, 2] and 0 <= history[-1]["recall@1"] <= 1
     # each sample's crop and flip come from its key (seed, step, position), not from a worker's generator
     assert [{**row, "train_seconds": 0} for row in run(0)] == [{**row, "train_seconds": 0} for row in history]
+    # a resume may read the same data from another folder, but not other data
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path, moved, ignore=shutil.ignore_patterns("run*"))
+    assert [row["step"] for row in run(0, moved, "--steps", "3", "--resume")] == [0, 2, 3]
+    (moved / "train" / "class5" / "2.png").rename(moved / "train" / "class4" / "9.png")
+    (moved / "Ebay_train.txt").write_text((moved / "Ebay_train.txt").read_text().replace("class5/2", "class4/9"))
+    with pytest.raises(SystemExit, match=f"was made on other data .* than --root {re.escape(str(moved))} holds"):
+        run(0, moved, "--steps", "4", "--resume")

@@ -265,6 +265,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     train, test = load_data(args)
     described = describe_sets(train, test)
+    digest = checkpoint.data_digest((train, test), args.root)
     if rank == 0:
         print("\n".join(described), flush=True)
     check_ks(args.ks, len(test))
@@ -306,6 +307,10 @@ def main(argv=None):
         if changed:
             raise SystemExit(f"--resume: {checkpoint_path} was made with {', '.join(changed)}; resume with its "
                              f"settings (only the steps, the evaluation and the output may change), or start a new --out")
+        if state.get("data", digest) != digest:
+            raise SystemExit(f"--resume: {checkpoint_path} was made on other data (other images or labels than "
+                             f"{'--root ' + args.root if args.root else 'these'} holds); resume on its data, or start a "
+                             f"new --out")
         try:  # (a file of another run, which recorded no settings: another model, optimiser or memory)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -339,7 +344,8 @@ def main(argv=None):
     def save_checkpoint():  # plain data only (train/checkpoint.py): loading it never runs code
         state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
                      scaler=scaler.state_dict(), memory=None if memory is None else memory.state_dict(), step=step,
-                     history=history, running=dict(running), args=vars(args), rng=checkpoint.rng_state(device))
+                     history=history, running=dict(running), args=vars(args), rng=checkpoint.rng_state(device),
+                     data=digest)
         checkpoint.save(state, checkpoint_path)
 
     def record():  # evaluates, writes the metrics and the checkpoint, and starts the next interval

@@ -5,14 +5,17 @@ dicts of the model, optimizer, schedule, gradient scaler and memory, the step, t
 the command's arguments and the random-number generators' states (as uint8 tensors). `load` reads it
 with `torch.load(..., weights_only=True)`, which refuses any other pickled object instead of
 constructing it; such a file, and one that torch.save did not write, is reported by its path.
+A resumed run must keep the checkpoint's settings (`changed_settings`) and its data (`data_digest`).
 """
+import hashlib
 import os
 import pickle
 import re
 
+import numpy as np
 import torch
 
-__all__ = ["load", "restore_rng", "rng_state", "save"]
+__all__ = ["changed_settings", "data_digest", "load", "restore_rng", "rng_state", "save"]
 
 
 def rng_state(device):
@@ -58,8 +61,9 @@ def load(path, device="cpu"):
                          f"{error})") from None
 
 
-# What a resumed run may change: the run's length and its output and evaluation (steps: a run is
-# extended by resuming it with more). Every other setting is the checkpoint's: its optimiser and
+# What a resumed run may change: the run's length, its output and evaluation (steps: a run is
+# extended by resuming it with more), and where its data lies (root: `data_digest` checks the data
+# is the same). Every other setting is the checkpoint's: its optimiser and
 # schedule would restore theirs over a new --lr, and a new batch, model or data would not fit them.
 FREE = {"steps", "resume", "out", "eval_every", "eval_batch", "ks", "checkpoint_every", "no_progress", "workers",
         "device", "root"}
@@ -76,3 +80,23 @@ def changed_settings(saved, args):
     (now NEW)", but for FREE; none where the checkpoint records no options."""
     return [f"--{name.replace('_', '-')} {saved[name]} (now {value})" for name, value in sorted(args.items())
             if name not in FREE and name in (saved or {}) and not same_setting(saved[name], value)]
+
+
+def data_digest(datasets, root=None):
+    """A SHA-256 digest (hex) of the data a run trains and evaluates on, which its checkpoint keeps: a
+    resumed run whose data differs (--root, which a resume may change, naming another data set, or
+    images added, removed or relabelled under it) is refused, while the same data moved to another
+    folder resumes. It covers each set's labels in order and its images' paths relative to `root`
+    (the images themselves are not read: that would take a pass over the data set), or, for samples
+    held in memory (kanji drawings, features), their shape; those come from settings a resume keeps."""
+    digest = hashlib.sha256()
+    for dataset in datasets:
+        labels = np.asarray(dataset.labels, dtype=np.int64)
+        digest.update(f"{len(labels)} labels\n".encode())
+        digest.update(labels.tobytes())
+        paths = getattr(dataset, "paths", None)
+        if paths is not None:
+            digest.update("\n".join(os.path.relpath(path, root) for path in paths).encode())
+        else:
+            digest.update(f"samples {tuple(dataset.inputs.shape)}\n".encode())
+    return digest.hexdigest()

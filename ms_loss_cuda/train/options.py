@@ -102,8 +102,9 @@ def build_parser(description=None):
             help="Recall@K's K, leave-one-out on the test set: each at most the test set's size - 1")
     _option(g, "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at evaluations)")
     _option(g, "--resume", action="store_true",
-            help="continue from OUT/checkpoint.pt when it exists (a larger --steps extends the run: the schedule "
-                 "of the new length from the step it resumes at)")
+            help="continue from OUT/checkpoint.pt when it exists, with its settings and data (--root may name "
+                 "another folder of the same data; a larger --steps extends the run: the schedule of the new length "
+                 "from the step it resumes at)")
     _option(g, "--no-progress", action="store_true", help="no progress bar")
     return p
 
