@@ -76,8 +76,9 @@ setup(
         # ms_loss_cuda.train: numpy (data, kanji), pillow (images, kanji drawings), matplotlib (the
         # recall plot), tqdm (the progress bar) and kanjivg (the kanji strokes)
         "train": ["numpy", "pillow", "tqdm", "matplotlib", "kanjivg"],
-        # the triton backend (ms_loss_cuda.triton_kernels); CUDA builds of torch bring a matching one
-        "triton": ["triton"],
+        # the triton backend (ms_loss_cuda.triton_kernels): its launches read triton.knobs (3.4 on); CUDA
+        # builds of torch bring a matching Triton
+        "triton": ["triton>=3.4"],
     },
     entry_points={"console_scripts": ["ms-loss-train = ms_loss_cuda.train.__main__:cli"]},
 )

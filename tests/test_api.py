@@ -392,6 +392,36 @@ def test_triton_needs_a_gpu_of_compute_capability_8(monkeypatch):
             assert got is None if reason is None else reason in got
 
 
+def test_triton_names_the_versions_it_needs(monkeypatch):
+    """Below Triton 3.4 (no triton.knobs, which the direct launches read), and on a GPU below torch 2.8
+    (no float32-result 16-bit products for the chunked backward), the backend says so, so that "auto"
+    takes another one instead of failing at the first launch."""
+    pytest.importorskip("triton")
+    import types
+
+    import triton
+
+    from ms_loss_cuda import backends
+    from ms_loss_cuda.triton_kernels import launcher
+
+    assert (launcher.TRITON_TOO_OLD, launcher.TORCH_TOO_OLD) == (None, None)  # (the pinned versions)
+    old = launcher.version_needs(types.SimpleNamespace(__version__="3.3.1"), "2.7.1", ["default", "out"])
+    assert old == ("it needs Triton 3.4 or newer, found 3.3.1",
+                   "on a GPU it needs torch 2.8 or newer (torch.mm's out_dtype), found 2.7.1")
+    assert launcher.version_needs(triton, "2.8.0", ["default", "out", "dtype_out", "dtype"]) == (None, None)
+    triton_backend, cuda, cpu = backends.get("triton"), torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher, "device_capability", lambda device: (9, 0))
+    assert triton_backend.unavailable_reason(cuda, torch.float16) is None
+    monkeypatch.setattr(launcher, "TRITON_TOO_OLD", old[0])
+    assert triton_backend.unavailable_reason(cuda, torch.float32) == old[0]
+    assert triton_backend.unavailable_reason(cpu, torch.float32) == old[0]
+    monkeypatch.setattr(launcher, "TRITON_TOO_OLD", None)
+    monkeypatch.setattr(launcher, "TORCH_TOO_OLD", old[1])
+    assert triton_backend.unavailable_reason(cuda, torch.float32) == old[1]
+    assert triton_backend.unavailable_reason(cpu, torch.float32) != old[1]  # (a GPU's need alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_unit_rows_is_normalize_in_the_input_dtype(dtype):
     from ms_loss_cuda.common import unit_rows

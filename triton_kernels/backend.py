@@ -23,6 +23,8 @@ class TritonBackend(Backend):
         reason = super().unavailable_reason(device, dtype)
         if reason is not None:
             return reason
+        if launcher.TRITON_TOO_OLD:
+            return launcher.TRITON_TOO_OLD
         if device.type == "cpu" and not launcher.INTERPRETED:
             return "on CPU tensors it needs TRITON_INTERPRET=1 set before ms_loss_cuda.triton_kernels is imported"
         if device.type == "cpu" and dtype == torch.bfloat16 and not launcher.BFLOAT16_INTERPRETED:
@@ -38,6 +40,8 @@ class TritonBackend(Backend):
             capability = launcher.device_capability(device)
             if capability < (8, 0):
                 return f"it needs a GPU of compute capability 8.0 or newer (as Triton does), got {capability}"
+            if launcher.TORCH_TOO_OLD:
+                return launcher.TORCH_TOO_OLD
         return None
 
     def unit_rows(self, t):

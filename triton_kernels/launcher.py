@@ -26,6 +26,20 @@ from . import interpreter_bfloat16
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # whether the interpreter computes bfloat16 as a GPU does (interpreter_bfloat16; False on a GPU)
 BFLOAT16_INTERPRETED = INTERPRETED and bool(interpreter_bfloat16.install())
+
+
+def version_needs(triton_module, torch_version, mm_overloads):
+    """(why this Triton cannot run the launches, why this torch cannot on a GPU), each None where it can:
+    the direct launches read Triton's settings (triton.knobs, from Triton 3.4); on a GPU the chunked
+    backward multiplies 16-bit matrices into float32 results (torch.mm's out_dtype, the overload
+    "dtype", from torch 2.8)."""
+    old_triton = f"it needs Triton 3.4 or newer, found {triton_module.__version__}"
+    old_torch = f"on a GPU it needs torch 2.8 or newer (torch.mm's out_dtype), found {torch_version}"
+    return None if hasattr(triton_module, "knobs") else old_triton, None if "dtype" in mm_overloads else old_torch
+
+
+TRITON_TOO_OLD, TORCH_TOO_OLD = version_needs(triton, torch.__version__, torch.ops.aten.mm.overloads())
+
 # The interpreter patches triton.language and keeps the program's grid index for the whole process
 # while it runs a launch: two threads' launches at once raise, or compute wrong numbers. They take turns.
 _interpreter_lock = threading.Lock()
@@ -92,10 +106,10 @@ class Launch(NamedTuple):
 
 
 def _compile_options(kernel):
-    """The options besides the arguments that Triton's launch compiles for (3.6-3.9: debug, the
-    instrumentation mode, 3.9's float sanitizer casts)."""
+    """The options besides the arguments that Triton's launch compiles for: debug, and where this Triton
+    has them, the instrumentation mode (3.6 on) and the float sanitizer's casts (3.9)."""
     compilation = triton.knobs.compilation
-    return (kernel.debug or triton.knobs.runtime.debug, compilation.instrumentation_mode,
+    return (kernel.debug or triton.knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None),
             getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
