@@ -138,24 +138,29 @@ class _HyperParameter:
 
 class _Setting:
     """An option of the call that is not a hyper-parameter (normalize, reduction, backend), as a plain
-    attribute checked when set: `check` returns the value kept or raises."""
+    attribute checked when set: `check` returns the value kept or raises. The value is kept as the
+    module's attribute "_" + name (torch.compile reads that as any attribute; read through the
+    instance's dict under the option's own name, torch 2.8's tracing recursed into this descriptor);
+    a module pickled with it under its own name is read from there."""
 
     def __init__(self, check):
         self.check = check
 
     def __set_name__(self, owner, name):
-        self.name = name
+        self.name, self.key = name, "_" + name
 
     def __get__(self, module, owner=None):
         if module is None:
             return self
-        try:  # (kept in the instance's dict under its own name, which this data descriptor comes before)
-            return module.__dict__[self.name]
-        except KeyError:
+        try:
+            return getattr(module, self.key)
+        except AttributeError:
+            if self.name in vars(module):
+                return vars(module)[self.name]
             raise AttributeError(f"{type(module).__name__} has no {self.name} set") from None
 
     def __set__(self, module, value):
-        module.__dict__[self.name] = self.check(value)
+        setattr(module, self.key, self.check(value))
 
 
 def _checked_reduction(value):

@@ -53,6 +53,12 @@ def _log1p_sum_exp(exponents, mask):
     return torch.logsumexp(torch.cat([kept, kept.new_zeros(kept.shape[0], 1)], dim=1), dim=1)
 
 
+# (a constant of the device type to torch.compile: the tracing of torch 2.8 cannot call it)
+@torch.compiler.assume_constant_result
+def _has_autocast(device_type):
+    return torch.amp.is_autocast_available(device_type)
+
+
 def multi_similarity_loss(
     x,
     labels,
@@ -80,7 +86,7 @@ def multi_similarity_loss(
     xs = x.to(compute)
     rs = xs if ref_x is None else ref_x.to(compute)
     # (autocast would make the product 16-bit; meta tensors, for shapes alone, have no autocast)
-    no_autocast = torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
+    no_autocast = torch.autocast(x.device.type, enabled=False) if _has_autocast(x.device.type) \
         else contextlib.nullcontext()
     with no_autocast:
         s = xs @ rs.T

@@ -137,6 +137,25 @@ def test_hyper_parameters_set_as_attributes_are_checked_and_used(make):
     assert_close(expected, reference * (1 if isinstance(module, MultiSimilarityLoss) else 2), TOLERANCE[torch.float64])
 
 
+def test_a_module_pickled_with_its_settings_under_their_own_names_still_reads_them():
+    """A module pickled whole when normalize, reduction and backend were kept in its dict under their
+    own names (now "_" + name, which torch.compile's tracing reads as plain attributes) reads them."""
+    module = MultiSimilarityLoss(normalize=False, reduction="sum", backend="reference")
+    state = dict(vars(module))
+    for name in ("normalize", "reduction", "backend"):
+        state[name] = state.pop("_" + name)
+    old = MultiSimilarityLoss.__new__(MultiSimilarityLoss)
+    old.__setstate__(state)
+    assert (old.normalize, old.reduction, old.backend) == (False, "sum", "reference")
+    x, labels = make_batch(12, 8, 3, dtype=torch.float64, seed=3)
+    assert_close(old(x, labels), module(x, labels), 0)
+    old.reduction = "none"
+    assert old(x, labels).shape == (12,)
+    del vars(old)["normalize"]
+    with pytest.raises(AttributeError, match="normalize"):
+        old.normalize
+
+
 def test_flags_that_equal_a_bool_are_taken_as_one():
     expected = call(mining=False, skip_incomplete_anchors=True)
     for off, on in ((0, 1), (torch.tensor(False), torch.tensor(True)), (torch.tensor(False).numpy()[()], 1)):
