@@ -65,11 +65,11 @@ setup(
     package_dir={"ms_loss_cuda.triton_kernels": "triton_kernels"},
     ext_modules=[extension],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     # The loss, the memory, the distributed loss, gradient caching and evaluation's Recall@K and
     # MAP@R need torch alone (torchvision, for the training command's torchvision backbones, stays
     # the user's choice: it must match their torch).
-    install_requires=["torch>=2.4"],
+    install_requires=["torch>=2.8"],
     extras_require={
         # evaluation: faiss's exact k-NN search (numpy arrays) when installed; NMI's k-means and score
         "eval": ["numpy", "scikit-learn", "faiss-cpu"],
