@@ -138,10 +138,10 @@ class _HyperParameter:
 
 class _Setting:
     """An option of the call that is not a hyper-parameter (normalize, reduction, backend), as a plain
-    attribute checked when set: `check` returns the value kept or raises. The value is kept as the
-    module's attribute "_" + name (torch.compile reads that as any attribute; read through the
-    instance's dict under the option's own name, torch 2.8's tracing recursed into this descriptor);
-    a module pickled with it under its own name is read from there."""
+    attribute checked when set: `check` returns the value kept or raises. The value is the module's
+    attribute "_" + name, which torch.compile reads as any other (torch 2.8's Dynamo recurses into a
+    descriptor that reads the instance's dict under the descriptor's own name); a module pickled with
+    the value in its dict under the option's own name is read from there."""
 
     def __init__(self, check):
         self.check = check
@@ -157,7 +157,7 @@ class _Setting:
         except AttributeError:
             if self.name in vars(module):
                 return vars(module)[self.name]
-            raise AttributeError(f"{type(module).__name__} has no {self.name} set") from None
+            raise
 
     def __set__(self, module, value):
         setattr(module, self.key, self.check(value))

@@ -138,9 +138,11 @@ def test_hyper_parameters_set_as_attributes_are_checked_and_used(make):
 
 
 def test_a_module_pickled_with_its_settings_under_their_own_names_still_reads_them():
-    """A module pickled whole when normalize, reduction and backend were kept in its dict under their
-    own names (now "_" + name, which torch.compile's tracing reads as plain attributes) reads them."""
+    """normalize, reduction and backend are kept as attributes "_" + name: torch 2.8's torch.compile (CI
+    runs 2.13) recursed without end when they were kept in the instance's dict under their own names. A
+    module pickled with that layout reads them."""
     module = MultiSimilarityLoss(normalize=False, reduction="sum", backend="reference")
+    assert not {"normalize", "reduction", "backend"} & set(vars(module))
     state = dict(vars(module))
     for name in ("normalize", "reduction", "backend"):
         state[name] = state.pop("_" + name)

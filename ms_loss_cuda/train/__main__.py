@@ -308,9 +308,9 @@ def main(argv=None):
             raise SystemExit(f"--resume: {checkpoint_path} was made with {', '.join(changed)}; resume with its "
                              f"settings (only the steps, the evaluation and the output may change), or start a new --out")
         if state.get("data", digest) != digest:
-            raise SystemExit(f"--resume: {checkpoint_path} was made on other data (other images or labels than "
-                             f"{'--root ' + args.root if args.root else 'these'} holds); resume on its data, or start a "
-                             f"new --out")
+            where = f" under --root {args.root}" if args.root else ""
+            raise SystemExit(f"--resume: {checkpoint_path} was made on other data than this run's{where} (other "
+                             f"labels, image paths or sample shapes); resume on its data, or start a new --out")
         try:  # (a file of another run, which recorded no settings: another model, optimiser or memory)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
