@@ -63,8 +63,8 @@ def load(path, device="cpu"):
 
 # What a resumed run may change: the run's length, its output and evaluation (steps: a run is
 # extended by resuming it with more), and where its data lies (root: `data_digest` checks the data
-# is the same). Every other setting is the checkpoint's: its optimiser and
-# schedule would restore theirs over a new --lr, and a new batch, model or data would not fit them.
+# is the same). Every other setting is the checkpoint's: its optimiser and schedule would restore
+# theirs over a new --lr, and a new batch, model or data would not fit them.
 FREE = {"steps", "resume", "out", "eval_every", "eval_batch", "ks", "checkpoint_every", "no_progress", "workers",
         "device", "root"}
 
