@@ -100,9 +100,9 @@ def test_resident_rows_give_the_reference_loss(monkeypatch, case, dtype):
     program, over several chunks (the triangle in the self case), on rows whose padded D (48) is not
     the power of 2 the kept rows take (64). float16 against the float64 reference; bfloat16 against
     the shipped tiles (its unit rows, rounded to 8 bits, with beta = 50 in the weights, take its
-    gradients percents from the float64 ones at this size). A float16 reference set that takes no gradient is compared through its norms, a
-    bfloat16 one takes a gradient (dref's copy of the weights). On a GPU the kernels run there (the
-    variant needs the shared memory of sm_90 and sm_100)."""
+    gradients percents from the float64 ones at this size). A float16 reference set that takes no
+    gradient is compared through its norms, a bfloat16 one takes a gradient (dref's copy of the
+    weights). On a GPU the kernels run there (the variant needs the shared memory of sm_90 and sm_100)."""
     import triton_internals
     from conftest import assert_close, build_case, check_against_reference, loss_and_grads, to
     from ms_loss_cuda.triton_kernels import launcher

@@ -2,6 +2,7 @@
 the extension's build reads, whichever kernels the machine that makes it builds."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,8 +20,7 @@ def test_the_source_distribution_holds_every_cpp_and_cuda_file(tmp_path):
     for path in _tracked("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "csrc", "ms_loss_cuda",
                          "triton_kernels"):
         os.makedirs(tmp_path / "src" / os.path.dirname(path), exist_ok=True)
-        with open(os.path.join(ROOT, path), "rb") as source, open(tmp_path / "src" / path, "wb") as copy:
-            copy.write(source.read())
+        shutil.copyfile(os.path.join(ROOT, path), tmp_path / "src" / path)
     # the PEP 517 hook that pip and `python -m build` call, on a machine that builds for CPU alone
     code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
     made = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=tmp_path / "src",

@@ -57,9 +57,10 @@ def install():
 def bfloat16_bits(values):
     """The bfloat16 patterns (uint16) of float32 `values`, rounded to nearest even; NaN stays a quiet NaN
     of its sign, a value past bfloat16's range rounds to an infinity."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32).astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(np.asarray(values, dtype=np.float32))
+    nan = np.isnan(values)
     rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
     return rounded
 
